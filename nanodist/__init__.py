@@ -1,0 +1,19 @@
+"""nanodist: the small library behind the course "distributed training with PyTorch, hands-on".
+
+    import nanodist as nd
+    info = nd.init()                  # torchrun environment -> process group, device, seeds
+    nd.print0(info)
+    run = nd.launch("lab01_ranks", nproc=2)   # from a notebook: torchrun, results back
+"""
+from .launch import LaunchError, LaunchResult, LaunchTimeout, launch
+from .results import Recorder
+from .runtime import (DistConfigError, DistInfo, dist_info, get_logger, get_rank, get_world_size, init,
+                      print0, seed_everything, shutdown)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "dist_info", "DistInfo", "DistConfigError", "get_rank", "get_world_size",
+    "print0", "get_logger", "seed_everything", "launch", "LaunchResult", "LaunchError", "LaunchTimeout",
+    "Recorder",
+]

@@ -1,0 +1,272 @@
+"""Run a torchrun job from Python (a notebook cell, a test) and get its results back.
+
+    run = nanodist.launch("lab01_ranks", nproc=2)        # a lab name or a script path
+    run.results["metrics"]                               # what rank 0 wrote (see nanodist.results)
+
+What it guarantees:
+- a free loopback port per launch, so two launches never collide ("Address already in use");
+- every line the ranks print, streamed live with a `[rankN]:` prefix;
+- on failure, a LaunchError carrying the failing rank and its traceback (a notebook cell fails
+  visibly — unlike `!torchrun`, whose exit status a notebook ignores);
+- on timeout, KeyboardInterrupt or any error, the whole process tree (torchrun agents and every
+  worker, which torchrun starts in sessions of their own) is killed: no orphans;
+- nnodes > 1 starts that many torchrun agents on this host that meet through a c10d rendezvous:
+  multi-node training, on one machine.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from .results import REPO_ROOT, load, new_run_id, results_dir
+
+LABS_DIR = REPO_ROOT / "labs"
+_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's own excepthook prefixes tracebacks once more
+_ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed. `.rank` is the failing global rank (or None), `.traceback` its traceback."""
+
+    def __init__(self, message: str, returncode: int | None = None, rank: int | None = None,
+                 traceback: str = "", output: str = ""):
+        super().__init__(message)
+        self.returncode, self.rank, self.traceback, self.output = returncode, rank, traceback, output
+
+
+class LaunchTimeout(LaunchError):
+    """The job ran past its timeout and was killed, with every process it started."""
+
+
+@dataclass
+class LaunchResult:
+    """A finished job: the results record rank 0 wrote (None if it wrote none), and its output."""
+
+    results: dict | None
+    output: str
+    run_id: str
+    port: int
+    returncode: int
+    elapsed_s: float
+    command: list = field(repr=False, default_factory=list)
+
+    def lines(self, rank: int) -> list[str]:
+        """The lines rank `rank` printed (prefix removed)."""
+        return rank_lines(self.output).get(rank, [])
+
+
+# ----------------------------------------------------------------------------- helpers
+
+_issued_ports: set[int] = set()
+_port_lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, never the same twice in this process."""
+    with _port_lock:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _issued_ports:
+                _issued_ports.add(port)
+                return port
+    raise RuntimeError("could not find a free TCP port on 127.0.0.1")
+
+
+def resolve_script(script: str | os.PathLike) -> Path:
+    """A script path, or a lab name such as 'lab01_ranks' (looked up in labs/)."""
+    p = Path(script)
+    candidates = [p, LABS_DIR / p, LABS_DIR / f"{p}.py"] if not p.is_absolute() else [p]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    labs = ", ".join(sorted(q.stem for q in LABS_DIR.glob("lab*.py")))
+    raise FileNotFoundError(f"no script {str(script)!r}: give a path to a .py file or a lab name ({labs})")
+
+
+def rank_lines(output: str) -> dict[int, list[str]]:
+    """Split launcher output into the lines each global rank printed."""
+    out: dict[int, list[str]] = {}
+    for line in output.splitlines():
+        m = _PREFIX.match(line)
+        if m:
+            out.setdefault(int(m.group(1)), []).append(_TORCH_PREFIX.sub("", line[m.end():], count=1))
+    return out
+
+
+def _failing_rank(output: str) -> tuple[int | None, str]:
+    """The rank torchrun names as root cause (else the first rank with a traceback) and that traceback."""
+    per_rank = rank_lines(output)
+    with_tb = [r for r, lines in per_rank.items() if any(l.startswith("Traceback") for l in lines)]
+    root = None
+    after = output.split("Root Cause", 1)
+    if len(after) == 2:
+        for line in after[1].splitlines():
+            m = _ROOT_CAUSE_RANK.match(line)
+            if m:
+                root = int(m.group(1))
+                break
+    rank = root if root in with_tb else (min(with_tb, key=lambda r: _first_tb_index(output, r)) if with_tb else root)
+    if rank is None or rank not in per_rank:
+        return rank, ""
+    lines = per_rank[rank]
+    starts = [i for i, l in enumerate(lines) if l.startswith("Traceback")]
+    if not starts:
+        return rank, ""
+    # From the first traceback (chained ones included) to the exception line closing the last one.
+    end = next((i for i in range(starts[-1] + 1, len(lines)) if lines[i] and not lines[i][0].isspace()),
+               len(lines) - 1)
+    return rank, "\n".join(lines[starts[0]:end + 1])
+
+
+def _first_tb_index(output: str, rank: int) -> int:
+    m = re.search(rf"^\[rank{rank}\]:(\[rank{rank}\]: )?Traceback", output, re.M)
+    return m.start() if m else len(output)
+
+
+def _kill_tree(procs: list[psutil.Process], grace_s: float = 3.0) -> int:
+    """SIGTERM every process still running, then SIGKILL those left after `grace_s`. Returns how many."""
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running():
+                p.send_signal(signal.SIGTERM)
+                alive.append(p)
+        except psutil.Error:
+            pass
+    _, left = psutil.wait_procs(alive, timeout=grace_s)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=grace_s)
+    return len(alive)
+
+
+# ----------------------------------------------------------------------------- launch
+
+def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: str, args: list[str]) -> list[list]:
+    base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0",
+            "--tee=3"]
+    tail = [str(script), *map(str, args)]
+    if nnodes == 1:
+        return [base + ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}"] + tail]
+    return [base + [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                    f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={int(i == 0)}", "--local-addr=127.0.0.1"] + tail
+            for i in range(nnodes)]
+
+
+def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 600, nnodes: int = 1,
+           env: dict | None = None, echo: bool = True) -> LaunchResult:
+    """Run `script` under torchrun with `nproc` ranks per node on `nnodes` local "nodes".
+
+    Returns a LaunchResult whose `.results` is the results file rank 0 wrote (nanodist.results),
+    or None if the script wrote none. Raises LaunchError (with `.rank` and `.traceback`) if any rank
+    fails, LaunchTimeout after `timeout` seconds. Either way no process it started is left running.
+    `env` adds or overrides environment variables of the ranks; `echo=False` keeps output quiet.
+    """
+    for name, value in (("nproc", nproc), ("nnodes", nnodes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"launch: {name} must be a positive integer, got {value!r}")
+    if not timeout or timeout <= 0:
+        raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
+    script = resolve_script(script)
+    run_id, port = new_run_id() if "NANODIST_RUN_ID" not in (env or {}) else env["NANODIST_RUN_ID"], free_port()
+    child_env = dict(os.environ)
+    child_env.update({
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS", "1"),  # what torchrun would set, without its warning
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
+        "NANODIST_RUN_ID": run_id,
+        "NANODIST_NNODES": str(nnodes),
+        "NANODIST_RESULTS_DIR": str(results_dir()),
+    })
+    child_env.update({k: str(v) for k, v in (env or {}).items()})
+    commands = _agent_commands(script, nproc, nnodes, port, run_id, list(args))
+
+    lines: queue.Queue = queue.Queue()
+    agents: list[subprocess.Popen] = []
+    seen: dict[int, psutil.Process] = {}
+    output: list[str] = []
+    start = time.monotonic()
+
+    def pump(proc: subprocess.Popen, node: int) -> None:
+        tag = f"[node{node}] " if nnodes > 1 else ""
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            lines.put(line if _PREFIX.match(line) else tag + line)
+        lines.put(None)
+
+    def track() -> None:
+        for a in agents:
+            try:
+                for p in [psutil.Process(a.pid)] + psutil.Process(a.pid).children(recursive=True):
+                    seen.setdefault(p.pid, p)
+            except psutil.Error:
+                pass
+
+    try:
+        for node, cmd in enumerate(commands):
+            proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, errors="replace", env=child_env, start_new_session=True)
+            agents.append(proc)
+            threading.Thread(target=pump, args=(proc, node), daemon=True).start()
+        open_streams, last_track = len(agents), 0.0
+        while open_streams:
+            if time.monotonic() - start > timeout:
+                track()
+                killed = _kill_tree(list(seen.values()))
+                tail = "\n".join(output[-20:])
+                raise LaunchTimeout(
+                    f"{script.name} did not finish within {timeout:g} s and was stopped ({killed} processes "
+                    f"killed). A rank may be stuck in a collective that another rank never called, or the "
+                    f"job needs a larger timeout=. Last output:\n{tail}", output="\n".join(output))
+            if time.monotonic() - last_track > 0.5:
+                track()
+                last_track = time.monotonic()
+            try:
+                line = lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if line is None:
+                open_streams -= 1
+                continue
+            output.append(line)
+            if echo:
+                print(line, flush=True)
+        codes = [a.wait() for a in agents]
+    except BaseException:  # timeout, KeyboardInterrupt, anything: leave nothing behind
+        track()
+        _kill_tree(list(seen.values()))
+        raise
+    finally:
+        _kill_tree(list(seen.values()))  # workers a dead agent may have left
+        for a in agents:
+            if a.stdout:
+                a.stdout.close()
+    text, elapsed = "\n".join(output), time.monotonic() - start
+    returncode = next((c for c in codes if c != 0), 0)
+    if returncode != 0:
+        rank, tb = _failing_rank(text)
+        where = f"rank {rank}" if rank is not None else "a rank"
+        last = tb.strip().splitlines()[-1] if tb.strip() else "(no traceback printed; see .output)"
+        raise LaunchError(f"{script.name} failed on {where} (exit code {returncode}): {last}\n\n{tb}",
+                          returncode=returncode, rank=rank, traceback=tb, output=text)
+    found = sorted(Path(child_env["NANODIST_RESULTS_DIR"]).glob(f"*/{run_id}.json"))
+    results = load(found[0]) if found else None
+    return LaunchResult(results=results, output=text, run_id=run_id, port=port, returncode=0,
+                        elapsed_s=elapsed, command=commands)
