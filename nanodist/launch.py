@@ -256,6 +256,11 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
     finally:
         _kill_tree(list(seen.values()))  # workers a dead agent may have left
         for a in agents:
+            try:
+                a.wait(timeout=10)  # reap the agents: no zombies either
+            except subprocess.TimeoutExpired:
+                a.kill()
+                a.wait()
             if a.stdout:
                 a.stdout.close()
     text, elapsed = "\n".join(output), time.monotonic() - start

@@ -48,7 +48,7 @@ def results_dir() -> Path:
 def new_run_id() -> str:
     """A sortable, unique run id: UTC time plus a random suffix (NANODIST_RUN_ID overrides)."""
     return os.environ.get("NANODIST_RUN_ID") or (
-        datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6])
+        datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%f") + "-" + uuid.uuid4().hex[:4])
 
 
 # ----------------------------------------------------------------------------- hardware fingerprint

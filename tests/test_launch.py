@@ -1,0 +1,144 @@
+"""nanodist.launch: results back, failures carry the failing rank's traceback, and nothing is left running."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import nanodist as nd
+from nanodist.launch import _failing_rank, rank_lines, resolve_script
+
+SCRIPTS = Path(__file__).parent / "scripts"
+pytestmark = pytest.mark.dist
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for_pid_files(pid_dir: Path, n: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = list(pid_dir.glob("*.pids"))
+        if len(files) == n and all(f.read_text().endswith("\n") for f in files):
+            return [int(p) for f in files for p in f.read_text().split()]
+        time.sleep(0.2)
+    raise AssertionError(f"the ranks did not start within {timeout} s")
+
+
+def test_two_ranks_stream_output_and_return_rank0_results(results_dir, capsys):
+    run = nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120)
+    assert run.results["metrics"]["rank_sum"] == 1.0
+    assert run.results["world_size"] == 2 and run.results["backend"] == "gloo"
+    assert Path(run.results["_path"]).parent == results_dir / "test_ok"
+    assert run.lines(0) == ["sum of ranks is 1"] and run.lines(1) == ["sum of ranks is 1"]
+    printed = capsys.readouterr().out
+    assert "[rank0]:sum of ranks is 1" in printed and "[rank1]:sum of ranks is 1" in printed
+
+
+def test_failing_rank_traceback_is_in_the_exception(results_dir):
+    with pytest.raises(nd.LaunchError) as err:
+        nd.launch(SCRIPTS / "fail.py", nproc=2, timeout=120, echo=False)
+    e = err.value
+    assert e.rank == 1
+    assert e.traceback.startswith("Traceback (most recent call last):")
+    assert e.traceback.rstrip().endswith("ZeroDivisionError: rank one divides by zero on purpose")
+    assert "failed on rank 1" in str(e) and "fail.py" in e.traceback
+    assert e.returncode != 0
+
+
+def test_timeout_kills_every_process(results_dir, tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    with pytest.raises(nd.LaunchTimeout, match="did not finish within 25 s"):
+        nd.launch(SCRIPTS / "hang.py", nproc=2, timeout=25, env={"PID_DIR": pid_dir}, echo=False)
+    pids = wait_for_pid_files(pid_dir, 2, timeout=1)  # the ranks had started: the test is not vacuous
+    assert len(pids) == 4  # two workers, each with a grandchild of its own
+    time.sleep(0.5)
+    assert [p for p in pids if alive(p)] == []
+
+
+def test_keyboard_interrupt_kills_every_process(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    driver = textwrap.dedent(f"""
+        import nanodist as nd
+        try:
+            nd.launch({str(SCRIPTS / 'hang.py')!r}, nproc=2, timeout=300, env={{"PID_DIR": {str(pid_dir)!r}}})
+        except KeyboardInterrupt:
+            print("interrupted cleanly", flush=True)
+            raise SystemExit(130)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "NANODIST_RESULTS_DIR": str(tmp_path)})
+    try:
+        pids = wait_for_pid_files(pid_dir, 2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "interrupted cleanly" in out
+    time.sleep(0.5)
+    assert [p for p in pids if alive(p)] == []
+
+
+def test_concurrent_launches_get_different_ports(results_dir):
+    runs, errors = [None, None], []
+
+    def go(i):
+        try:
+            runs[i] = nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=180, echo=False)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert runs[0].port != runs[1].port
+    assert runs[0].run_id != runs[1].run_id
+    assert [r.results["metrics"]["rank_sum"] for r in runs] == [1.0, 1.0]
+
+
+def test_bad_arguments_fail_before_starting_anything():
+    with pytest.raises(ValueError, match="nproc must be a positive integer"):
+        nd.launch(SCRIPTS / "ok.py", nproc=0)
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        nd.launch(SCRIPTS / "ok.py", timeout=0)
+    with pytest.raises(FileNotFoundError, match="lab01_ranks"):
+        nd.launch("no_such_lab")
+    assert resolve_script("lab01_ranks").name == "lab01_ranks.py"
+
+
+def test_output_parsing_finds_the_root_cause_rank():
+    output = "\n".join([
+        "[rank0]:[rank0]: Traceback (most recent call last):",
+        "[rank0]:[rank0]:   File \"x.py\", line 3, in <module>",
+        "[rank0]:[rank0]: RuntimeError: Connection closed by peer",
+        "[rank1]:hello",
+        "[rank1]:[rank1]: Traceback (most recent call last):",
+        "[rank1]:[rank1]:   File \"x.py\", line 9, in <module>",
+        "[rank1]:[rank1]: KeyError: 'lr'",
+        "[rank1]:terminate called without an active exception",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 1 (local_rank: 1)",
+    ])
+    assert rank_lines(output)[1][0] == "hello"
+    rank, tb = _failing_rank(output)
+    assert rank == 1
+    assert tb.splitlines() == ["Traceback (most recent call last):", "  File \"x.py\", line 9, in <module>",
+                               "KeyError: 'lr'"]

@@ -1,0 +1,42 @@
+"""The repository's promises about itself: one source of truth for dependencies, the two README commands."""
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def normalise(req: str) -> str:
+    return re.sub(r"\s+", "", req).lower().replace("_", "-")
+
+
+def test_environment_yml_installs_exactly_the_pyproject_dependencies():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = set(map(normalise, project["dependencies"]))
+    for extra in project["optional-dependencies"].values():
+        wanted |= set(map(normalise, extra))
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda = [d for d in env["dependencies"] if isinstance(d, str)]
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert any(d.startswith("python") for d in conda) and "pip" in conda
+    assert "--editable ." in pip  # nanodist itself
+    assert set(normalise(p) for p in pip if not p.startswith("-")) == wanted
+
+
+def test_readme_quickstart_is_two_commands_and_ci_runs_the_second():
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^python3 dev\.py \w+", quick, re.M)
+    assert commands == ["python3 dev.py book", "python3 dev.py test"]
+    ci = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert ci[-1] == "exec python3 dev.py test"
+
+
+def test_every_notebook_is_in_the_book():
+    toc = yaml.safe_load((ROOT / "book" / "_toc.yml").read_text())
+    files = {c["file"] for c in toc["chapters"]} | {toc["root"]}
+    notebooks = {p.stem for p in (ROOT / "book").glob("*.ipynb")}
+    assert notebooks <= files, f"notebooks missing from book/_toc.yml: {notebooks - files}"

@@ -1,0 +1,99 @@
+"""nanodist.results: the schema, validation errors naming file and field, aggregation across machines."""
+import json
+
+import pytest
+
+from nanodist import results
+from nanodist.results import Recorder, ResultsError, load, load_all, table, validate
+
+
+def write_run(directory, lab="lab_x", world_size=1, steps=(0.5, 0.25, 0.75), host="laptop", **metrics):
+    rec = Recorder(lab, config={"size": 3})
+    rec.info = rec.info.__class__(world_size=world_size, local_world_size=world_size)
+    for i, t in enumerate(steps):
+        rec.step(step=i, time_s=t, loss=1.0 / (i + 1))
+    rec.metrics.update(metrics)
+    path = rec.save(directory)
+    data = json.loads(path.read_text())
+    data["hardware"]["hostname"] = host
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_recorder_writes_a_valid_file_in_the_results_dir(results_dir):
+    rec = Recorder("lab_x", config={"size": 3, "path": results_dir}, argv=["lab_x.py", "--size", "3"])
+    rec.step(step=0, time_s=0.1, loss=2.0)
+    rec.metrics["tokens_per_s"] = 123.0
+    path = rec.save()
+    assert path == results_dir / "lab_x" / f"{rec.run_id}.json"
+    data = load(path)
+    assert data["schema_version"] == results.SCHEMA_VERSION
+    assert data["config"] == {"size": 3, "path": str(results_dir)}  # made JSON-safe
+    assert data["argv"] == ["lab_x.py", "--size", "3"]
+    assert data["steps"] == [{"step": 0, "time_s": 0.1, "loss": 2.0}]
+    assert data["world_size"] == 1 and data["nnodes"] >= 1 and data["backend"] == "gloo"
+    hw = data["hardware"]
+    assert hw["cpu_logical_cores"] >= 1 and hw["torch"] and hw["gpu_count"] == len(hw["gpu_names"])
+    assert not list(results_dir.rglob("*.tmp"))
+
+
+def test_only_rank0_writes(results_dir):
+    rec = Recorder("lab_x")
+    rec.info = rec.info.__class__(rank=1, world_size=2)
+    assert rec.save() is None
+    assert not (results_dir / "lab_x").exists()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("world_size"), "field 'world_size' is missing"),
+    (lambda d: d.update(world_size="2"), "field 'world_size' should be int, got str"),
+    (lambda d: d.update(world_size=0), "field 'world_size' must be >= 1"),
+    (lambda d: d.update(nnodes=True), "field 'nnodes' should be int, got bool"),
+    (lambda d: d.update(steps=[{"step": 0}]), r"field 'steps\[0\].time_s' is missing"),
+    (lambda d: d.update(steps=[{"step": 0, "time_s": "fast"}]), r"field 'steps\[0\].time_s' should be a number"),
+    (lambda d: d.update(schema_version=99), "update nanodist"),
+    (lambda d: d["hardware"].pop("hostname"), "field 'hardware.hostname' is missing"),
+])
+def test_invalid_files_name_the_file_and_field(tmp_path, mutate, message):
+    path = write_run(tmp_path)
+    data = json.loads(path.read_text())
+    mutate(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultsError, match=message) as e:
+        load(path)
+    assert str(path) in str(e.value)
+
+
+def test_not_json_and_not_an_object(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ResultsError, match="bad.json: not valid JSON"):
+        load(bad)
+    with pytest.raises(ResultsError, match="holds one JSON object, found list"):
+        validate([], "x.json")
+
+
+def test_aggregation_across_machines_and_labs(tmp_path):
+    mine, theirs = tmp_path / "mine", tmp_path / "reference"
+    write_run(mine / "lab_x", world_size=1, steps=(0.5, 0.25, 0.75), host="laptop", tokens_per_s=10.0)
+    write_run(theirs / "lab_x", world_size=2, steps=(0.1, 0.3), host="gpu-box", tokens_per_s=40.0)
+    write_run(mine / "lab_y", lab="lab_y", host="laptop")
+    runs = load_all("lab_x", roots=[mine, theirs])
+    assert [r["hardware"]["hostname"] for r in runs] == ["laptop", "gpu-box"]
+    t = table(runs)
+    assert t.column("host") == ["laptop", "gpu-box"]
+    assert t.column("median_step_s") == [0.5, 0.2]
+    assert t.column("tokens_per_s") == [10.0, 40.0]
+    assert t.column("config.size") == [3, 3]
+    assert t.where(world_size=2).column("host") == ["gpu-box"]
+    assert len(load_all(roots=[mine, theirs])) == 3
+    text = str(t.select("host", "world_size"))
+    assert text.splitlines()[0].split() == ["host", "world_size"] and "gpu-box  2" in text
+    assert t.select("host")._repr_html_().count("<tr>") == 3
+
+
+def test_a_bad_file_among_good_ones_is_named(tmp_path):
+    write_run(tmp_path / "lab_x")
+    (tmp_path / "lab_x" / "broken.json").write_text("[]")
+    with pytest.raises(ResultsError, match="broken.json"):
+        load_all(roots=[tmp_path])
