@@ -53,6 +53,14 @@ def main():
     contribution = torch.tensor([info.rank + 1.0], device=info.device)
     dist.all_reduce(contribution)
 
+    # Process groups: one group per node. Every rank must create every group, in the same order,
+    # even the groups it is not in; then collectives can run inside a group only.
+    per_node = info.local_world_size
+    node_groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node)))
+                   for n in range(info.world_size // per_node)]
+    in_node = torch.tensor([info.rank + 1.0], device=info.device)
+    dist.all_reduce(in_node, group=node_groups[info.node_rank])
+
     rec = Recorder("lab01_ranks", config=vars(args), info=info)
     big = torch.ones(args.numel, device=info.device)
     for i in range(args.repeats):
@@ -68,8 +76,8 @@ def main():
         "world_size": info.world_size, "local_world_size": info.local_world_size,
         "backend": info.backend, "device": str(info.device), "pid": os.getpid(), "host": socket.gethostname(),
         "env": {k: os.environ.get(k) for k in ENV_VARS},
-        "broadcast": payload.cpu().tolist(), "all_reduce": contribution.item(),
-        "init_randn": [round(x, 6) for x in same.tolist()], "data_randn": [round(x, 6) for x in own.tolist()],
+        "broadcast": payload.cpu().tolist(), "all_reduce": contribution.item(), "node_all_reduce": in_node.item(),
+        "init_randn": [round(x, 4) for x in same.tolist()], "data_randn": [round(x, 4) for x in own.tolist()],
     }
     print(f"rank {info.rank}/{info.world_size} local_rank {info.local_rank} node {info.node_rank} "
           f"{info.backend}/{info.device} pid {report['pid']} host {report['host']}: "
