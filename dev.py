@@ -96,7 +96,6 @@ def venv_env(**extra: str) -> dict:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(VENV)
     env.setdefault("WANDB_MODE", "offline")  # never prompt for a login
-    env.setdefault("MPLBACKEND", "Agg")
     env.update(extra)
     return env
 

@@ -5,6 +5,8 @@
     nd.print0(info)
     run = nd.launch("lab01_ranks", nproc=2)   # from a notebook: torchrun, results back
 """
+from . import check, data, model
+from .ddp import DDP, NaiveDDP
 from .launch import LaunchError, LaunchResult, LaunchTimeout, launch
 from .results import Recorder
 from .runtime import (DistConfigError, DistInfo, dist_info, get_logger, get_rank, get_world_size, init,
@@ -15,5 +17,5 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "dist_info", "DistInfo", "DistConfigError", "get_rank", "get_world_size",
     "print0", "get_logger", "seed_everything", "launch", "LaunchResult", "LaunchError", "LaunchTimeout",
-    "Recorder",
+    "Recorder", "DDP", "NaiveDDP",
 ]

@@ -1,0 +1,310 @@
+"""Distributed data parallel, written to be read: gradient buckets all-reduced while backward runs.
+
+    model = nanodist.DDP(GPT(config))          # every rank: same weights (rank 0's), own data
+    loss = model(x, y)[1]
+    loss.backward()                            # when this returns, every grad is the average over ranks
+    optimizer.step()
+
+How it works. Parameters are grouped, in reverse registration order (roughly the order in which
+backward produces their gradients), into buckets of about `bucket_cap_mb`. Each bucket owns one
+flat buffer. A hook on every parameter fires as soon as autograd has accumulated its gradient;
+the hook copies the gradient into its bucket's buffer, and when the last gradient of a bucket has
+arrived the bucket's all-reduce is launched *asynchronously* — it runs on the backend's threads
+while autograd goes on computing the gradients of earlier layers. That overlap is why DDP scales.
+At the very end of backward a callback waits for every bucket and points each `param.grad` at its
+averaged slice of the buffer.
+
+`NaiveDDP` does the obvious thing instead — one blocking all-reduce per parameter after backward —
+for comparison. Both work with any initialised default process group.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .runtime import get_logger
+
+_ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run a function when backward ends
+
+
+@dataclass
+class _Bucket:
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    ready: int = 0
+    work: object = None
+    launched_at: float = 0.0
+    done_at: list = field(default_factory=list)
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _supports_avg(backend: str) -> bool:
+    return backend in ("gloo", "nccl")
+
+
+class _SyncBase(nn.Module):
+    """What DDP and NaiveDDP share: wrapping, broadcasting rank 0's state, no_sync, the end-of-backward callback."""
+
+    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("nanodist.DDP needs an initialised process group: call nanodist.init() first "
+                               "(or torch.distributed.init_process_group)")
+        self.module = module
+        self.group = process_group
+        self.world_size = _group_size(process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.require_sync = True
+        self._callback_queued = False
+        self.trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._check_same_structure()
+        self.mismatched_at_wrap = self._broadcast_from_rank0()
+
+    # --- wrapping -----------------------------------------------------------------------------------
+
+    def _check_same_structure(self) -> None:
+        """Every rank must wrap the same architecture, or the collectives below would hang or corrupt."""
+        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.module.named_parameters()]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for r, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b), None)
+                what = (f"first difference: rank 0 has {diff[0]}, rank {r} has {diff[1]}" if diff else
+                        f"rank 0 has {len(everyone[0])} parameters, rank {r} has {len(theirs)}")
+                raise ValueError(f"DDP: ranks wrap different models ({what}). Build the same model, with the "
+                                 f"same frozen parameters, on every rank.")
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> list[str]:
+        """Make every rank start from rank 0's parameters and buffers; return the names that differed."""
+        tensors = [(n, t) for n, t in list(self.module.named_parameters()) + list(self.module.named_buffers())]
+        if self.world_size == 1 or not tensors:
+            return []
+        # A cheap fingerprint per tensor (sum and sum of squares in float64) tells who disagreed.
+        fp = torch.stack([torch.stack([t.double().sum(), t.double().pow(2).sum()]) for _, t in tensors]).flatten()
+        fp = torch.nan_to_num(fp, nan=1.2345e300).to(tensors[0][1].device)
+        allfp = [torch.empty_like(fp) for _ in range(self.world_size)]
+        dist.all_gather(allfp, fp, group=self.group)
+        differ = [tensors[i][0] for i in range(len(tensors))
+                  if any(not torch.equal(a[2 * i:2 * i + 2], allfp[0][2 * i:2 * i + 2]) for a in allfp[1:])]
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for _, t in tensors:
+            dist.broadcast(t.data, src=src, group=self.group)
+        if differ:
+            get_logger().warning(f"DDP: ranks started with different values for {len(differ)} tensor(s) "
+                                 f"({', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}); "
+                                 f"rank 0's were broadcast to all. Seed model init identically on every rank.")
+        return differ
+
+    # --- forward / no_sync ---------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.require_sync and self.world_size > 1:
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            for b in self.module.buffers():  # e.g. BatchNorm running stats: rank 0's win, as in torch DDP
+                dist.broadcast(b.data, src=src, group=self.group)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside this block backward only accumulates local gradients (gradient accumulation)."""
+        before, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = before
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            _ENGINE.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._finish()
+
+    def state_dict(self, *args, **kwargs):  # checkpoints hold the bare module's names, no "module." prefix
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class DDP(_SyncBase):
+    """Data parallel with bucketed, overlapped gradient all-reduce. Gradients are averaged over ranks.
+
+    - bucket_cap_mb: bucket size; smaller buckets start communicating earlier, larger ones cost less latency.
+    - find_unused_parameters: allow parameters that get no gradient in a step (costs one tiny all-reduce).
+      Without it such parameters raise an error naming them. Frozen parameters are always skipped.
+    - record_timeline: keep, per step, when each bucket was launched and finished (for the plots).
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 record_timeline: bool = False):
+        super().__init__(module, process_group, broadcast_buffers)
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.find_unused_parameters = find_unused_parameters
+        self.record_timeline = record_timeline
+        self.timeline: list[dict] = []  # filled when record_timeline: one dict per bucket per step
+        self.buckets = self._build_buckets()
+        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._used = set()
+        self._next = 0  # the next bucket to launch
+        self._backward_start = None
+        backend = str(dist.get_backend(self.group)).lower()
+        self._op = dist.ReduceOp.AVG if _supports_avg(backend) else dist.ReduceOp.SUM
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in self.trainable]
+
+    def _build_buckets(self) -> list[_Bucket]:
+        buckets, current, size = [], [], 0
+        params = [p for _, p in reversed(self.trainable)]  # backward meets the last layers first
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > self.bucket_cap_bytes or p.dtype != current[0].dtype
+                            or p.device != current[0].device):
+                buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            buckets.append(current)
+        out = []
+        for i, ps in enumerate(buckets):
+            offsets, n = [], 0
+            for p in ps:
+                offsets.append(n)
+                n += p.numel()
+            out.append(_Bucket(i, ps, offsets, torch.zeros(n, dtype=ps[0].dtype, device=ps[0].device)))
+        return out
+
+    # --- during backward ----------------------------------------------------------------------------
+
+    def _slot(self, p: nn.Parameter) -> torch.Tensor:
+        bucket, i = self._where[p]
+        return bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + p.numel()]
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if not self.require_sync:
+            return  # no_sync: the gradient just accumulates in p.grad
+        if p.grad.is_sparse:
+            raise RuntimeError("nanodist.DDP does not support sparse gradients (nn.Embedding(sparse=True)): "
+                               "use a dense embedding")
+        if self._backward_start is None:
+            self._backward_start = time.perf_counter()
+            self._queue_end_of_backward()
+        if p in self._used:
+            raise RuntimeError(f"DDP: parameter {self._name(p)} received a gradient twice in one backward "
+                               f"(the same module run twice in one step?); this is not supported")
+        self._used.add(p)
+        slot = self._slot(p)
+        if p.grad.data_ptr() != slot.data_ptr():  # after the first step p.grad usually *is* the slot
+            slot.copy_(p.grad.reshape(-1))
+        self._where[p][0].ready += 1
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Buckets go out strictly in index order: collectives are matched across ranks by the order in
+        # which they are called, so every rank must issue them in the same order.
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self._op == dist.ReduceOp.SUM:
+            bucket.buffer.div_(self.world_size)
+        bucket.launched_at = time.perf_counter()
+        bucket.work = dist.all_reduce(bucket.buffer, op=self._op, group=self.group, async_op=True)
+        if self.record_timeline:
+            bucket.done_at = []
+            bucket.work.get_future().then(lambda _f, b=bucket: b.done_at.append(time.perf_counter()))
+
+    # --- end of backward ----------------------------------------------------------------------------
+
+    def _name(self, p) -> str:
+        return next(n for n, q in self.trainable if q is p)
+
+    def _finish(self) -> None:
+        # Parameters whose hook did not fire this step contribute what they hold: a gradient accumulated
+        # under no_sync, or zeros. Then every remaining bucket goes out, in order.
+        missing = [p for _, p in self.trainable if p not in self._used]
+        for p in missing:
+            if p.grad is not None:
+                self._slot(p).copy_(p.grad.reshape(-1))
+            else:
+                self._slot(p).zero_()
+            self._where[p][0].ready += 1
+        self._launch_ready_buckets()
+        has_grad = {p for _, p in self.trainable if p in self._used or p.grad is not None}
+        used_anywhere = has_grad
+        if self.find_unused_parameters:
+            # Which parameters did *any* rank use? Those no rank used keep grad None, as in torch DDP.
+            flags = torch.tensor([p in has_grad for _, p in self.trainable], dtype=torch.int32,
+                                 device=self.buckets[0].buffer.device)
+            dist.all_reduce(flags, group=self.group)
+            used_anywhere = {p for (_, p), f in zip(self.trainable, flags.tolist()) if f > 0}
+        self._wait_all()
+        no_grad = [self._name(p) for p in missing if p not in has_grad]
+        if no_grad and not self.find_unused_parameters:
+            self._reset()
+            raise RuntimeError(
+                f"DDP: {len(no_grad)} parameter(s) got no gradient this step: {', '.join(no_grad[:8])}"
+                f"{', ...' if len(no_grad) > 8 else ''}. If they are unused on purpose, wrap with "
+                f"DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
+        for _, p in self.trainable:
+            if p in used_anywhere:
+                view = self._slot(p).view_as(p)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view  # the averaged gradient lives in the bucket: no copy back
+        self._reset()
+
+    def _wait_all(self) -> None:
+        for b in self.buckets:
+            b.work.wait()
+        if self.record_timeline and self._backward_start is not None:
+            end = time.perf_counter()
+            for b in self.buckets:
+                done = b.done_at[0] if b.done_at else end
+                self.timeline.append({"bucket": b.index, "numel": b.buffer.numel(),
+                                      "launch_s": b.launched_at - self._backward_start,
+                                      "done_s": done - self._backward_start,
+                                      "backward_end_s": end - self._backward_start})
+
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.ready, b.work = 0, None
+        self._used = set()
+        self._next = 0
+        self._backward_start = None
+
+
+class NaiveDDP(_SyncBase):
+    """The baseline: after backward, one blocking all-reduce per parameter, no buckets, no overlap."""
+
+    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
+        super().__init__(module, process_group, broadcast_buffers)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in self.trainable]
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if self.require_sync:
+            self._queue_end_of_backward()
+
+    def _finish(self) -> None:
+        for _, p in self.trainable:
+            if p.grad is None:
+                continue  # unused on this rank; the naive version assumes every rank uses the same parameters
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad.div_(self.world_size)

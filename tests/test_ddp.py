@@ -1,0 +1,162 @@
+"""nanodist.DDP proven equal to torch's DistributedDataParallel and to one process training on the whole batch."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import nanodist as nd
+from nanodist.ddp import NaiveDDP
+from nanodist.testing import spawn
+
+pytestmark = pytest.mark.dist
+
+
+class Net(nn.Module):
+    """Has a frozen layer and a layer forward never uses: the two awkward cases for DDP."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.hidden = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 3)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x, use_unused=False):
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.hidden(torch.relu(self.frozen(h))))
+        return self.unused(self.out(h)) if use_unused else self.out(h)
+
+
+def batch(rank, n=6, step=0):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def grads(model):
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def same_grads(a, b, atol=1e-6):
+    assert a.keys() == b.keys()
+    for n in a:
+        assert (a[n] is None) == (b[n] is None), f"{n}: one gradient is None"
+        if a[n] is not None:
+            torch.testing.assert_close(a[n], b[n], rtol=1e-6, atol=atol, msg=f"gradient of {n} differs")
+
+
+def loss_of(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def parity_worker(rank, world):
+    results = {}
+    torch.manual_seed(0)
+    base = Net()
+    ours = nd.DDP(_copy(base), bucket_cap_mb=0.004, find_unused_parameters=True)  # ~1 KB buckets: several
+    theirs = TorchDDP(_copy(base), bucket_cap_mb=0.004, find_unused_parameters=True)
+    naive = NaiveDDP(_copy(base))
+    results["buckets"] = len(ours.buckets)
+
+    for step in range(3):  # several steps: after the first, grads live in the bucket buffers
+        x, y = batch(rank, step=step)
+        for m in (ours, theirs, naive):
+            m.zero_grad(set_to_none=step % 2 == 0)
+            loss_of(m, x, y).backward()
+        same_grads(grads(ours.module), grads(theirs.module))
+        g_naive = grads(naive.module)
+        same_grads({k: v for k, v in g_naive.items() if k.startswith(("inp", "hidden", "out"))},
+                   {k: v for k, v in grads(ours.module).items() if k.startswith(("inp", "hidden", "out"))})
+    assert ours.module.unused.weight.grad is None and ours.module.frozen.weight.grad is None
+
+    # N ranks x b samples == 1 process x N*b samples
+    xs, ys = zip(*(batch(r, step=2) for r in range(world)))
+    single = _copy(base)
+    loss_of(single, torch.cat(xs), torch.cat(ys)).backward()
+    same_grads({k: v for k, v in grads(single).items()}, grads(ours.module))
+
+    # gradient accumulation: two micro-batches, the first under no_sync, equal torch DDP's
+    for m in (ours, theirs):
+        m.zero_grad()
+        with m.no_sync():
+            loss_of(m, *batch(rank, step=5)).backward()
+        loss_of(m, *batch(rank, step=6)).backward()
+    same_grads(grads(ours.module), grads(theirs.module))
+    results["ok"] = True
+    return results
+
+
+def _copy(model):
+    import copy
+    return copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_gradients_equal_torch_ddp_and_the_big_batch(world):
+    out = spawn(parity_worker, world, timeout=120)
+    assert all(o["ok"] for o in out)
+    assert out[0]["buckets"] >= 3
+
+
+def errors_worker(rank, world):
+    found = {}
+    torch.manual_seed(rank)  # deliberately different init on each rank
+    model = Net()
+    ddp = nd.DDP(model)  # must broadcast rank 0's weights and say which differed
+    found["mismatched"] = ddp.mismatched_at_wrap
+    try:
+        nd.check.assert_params_in_sync(ddp.module)
+        found["in_sync_after_wrap"] = True
+    except AssertionError:
+        found["in_sync_after_wrap"] = False
+    try:
+        loss_of(ddp, *batch(rank)).backward()
+    except RuntimeError as e:
+        found["unused_error"] = str(e)
+    # a parameter unused on one rank only, with find_unused_parameters: averaged with that rank's zeros
+    torch.manual_seed(0)
+    ref = Net()
+    a = nd.DDP(_copy(ref), find_unused_parameters=True)
+    b = TorchDDP(_copy(ref), find_unused_parameters=True)
+    for m in (a, b):
+        x, y = batch(rank)
+        nn.functional.cross_entropy(m(x, use_unused=rank == 0), y).backward()  # only rank 0 uses `unused`
+    same_grads(grads(a.module), grads(b.module))
+    # different architectures on different ranks: a clear error, not a hang
+    other = nn.Linear(4, 4) if rank == 0 else nn.Linear(4, 5)
+    try:
+        nd.DDP(other)
+    except ValueError as e:
+        found["structure_error"] = str(e)
+    return found
+
+
+def test_errors_are_clear_and_disagreeing_ranks_are_reported():
+    out = spawn(errors_worker, 2, timeout=120)
+    for found in out:
+        assert "inp.weight" in found["mismatched"] and found["in_sync_after_wrap"]
+        assert "got no gradient this step: unused.weight, unused.bias" in found["unused_error"]
+        assert "find_unused_parameters=True" in found["unused_error"]
+        assert "ranks wrap different models" in found["structure_error"]
+        assert "rank 0 has ('weight', (4, 4)" in found["structure_error"]
+
+
+def timeline_worker(rank, world):
+    torch.manual_seed(0)
+    net = Net()
+    net.unused.requires_grad_(False)
+    model = nd.DDP(net, bucket_cap_mb=0.004, record_timeline=True)
+    for step in range(2):
+        model.zero_grad()
+        loss_of(model, *batch(rank, step=step)).backward()
+    return model.timeline, len(model.buckets)
+
+
+def test_timeline_records_every_bucket_of_every_step():
+    timeline, n = spawn(timeline_worker, 2, timeout=60)[0]
+    assert len(timeline) == 2 * n
+    assert [t["bucket"] for t in timeline] == list(range(n)) * 2
+    for t in timeline:
+        assert 0 <= t["launch_s"] <= t["done_s"] <= t["backward_end_s"] + 1e-3
