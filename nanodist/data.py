@@ -222,19 +222,22 @@ class TokenStream:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "shuffle": self.shuffle,
                 "n_tokens": len(self.tokens), "batch_size": self.batch_size, "block_size": self.block_size,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "batches_per_epoch": self.batches_per_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the position. Same tokens, sizes, seed needed; another world size only at an epoch boundary."""
         _check_state("TokenStream", state, {"seed": self.seed, "shuffle": self.shuffle, "n_tokens": len(self.tokens),
                                             "batch_size": self.batch_size, "block_size": self.block_size})
         epoch, batch = int(state["epoch"]), int(state["batch"])
-        if state.get("world_size", self.world_size) != self.world_size:
-            if 0 < batch < state.get("batches_per_epoch", batch + 1):
-                raise ValueError(f"cannot resume mid-epoch (batch {batch}) at world size {self.world_size}: the state "
-                                 f"was saved at world size {state['world_size']}. Resume with the same number of "
+        saved_world = state.get("world_size", self.world_size)
+        if saved_world != self.world_size:
+            # Another world size splits the windows differently: only an epoch boundary carries over.
+            if batch == state.get("batches_per_epoch"):
+                epoch, batch = epoch + 1, 0
+            elif batch != 0:
+                raise ValueError(f"cannot resume mid-epoch (batch {batch}) at world size {self.world_size}: the "
+                                 f"state was saved at world size {saved_world}. Resume with the same number of "
                                  f"ranks, or from a checkpoint taken at an epoch boundary.")
-            epoch, batch = (epoch + 1, 0) if batch else (epoch, 0)
         if not 0 <= batch <= self.batches_per_epoch:
             raise ValueError(f"batch {batch} is outside 0..{self.batches_per_epoch} (batches per epoch)")
         self.epoch, self.batch = epoch, batch
@@ -315,7 +318,7 @@ def _sentence(rng: _SplitMix64) -> str:
     elif form == 2:
         text = f"{a} was {rng.pick(_FEELINGS)} because {b} had {participle} the {thing}."
     elif form == 3:  # arithmetic in words: structure a bigger model can learn, a small one only partly
-        x, y = rng.below(11), rng.below(10)
+        x, y = 2 + rng.below(9), rng.below(10)
         text = f"{a} counted {_NUMBERS[x]} {thing}s and then {_NUMBERS[y]} more, so there were {_NUMBERS[x + y]}."
     elif form == 4:
         text = f"{rng.pick(_TIMES)}, {rng.pick(_WEATHER)}."
@@ -334,11 +337,11 @@ def generate_corpus(n_chars: int = 200_000, seed: int = 0) -> str:
     parts, size, story = [], 0, 0
     while size < n_chars:
         if story % 6 == 0:
-            title = f"Story {story // 6 + 1}: The {rng.pick(_ADJECTIVES).capitalize()} {rng.pick(_ANIMALS).capitalize()}"
-            parts.append(title + "\n\n")
-        paragraph = " ".join(_sentence(rng) for _ in range(3 + rng.below(4))) + "\n\n"
-        parts.append(paragraph)
-        size += len(parts[-1]) + (len(parts[-2]) if story % 6 == 0 else 0)
+            animal = f"{rng.pick(_ADJECTIVES).capitalize()} {rng.pick(_ANIMALS).capitalize()}"
+            parts.append(f"Story {story // 6 + 1}: The {animal}\n\n")
+            size += len(parts[-1])
+        parts.append(" ".join(_sentence(rng) for _ in range(3 + rng.below(4))) + "\n\n")
+        size += len(parts[-1])
         story += 1
     return "".join(parts)[:n_chars]
 
@@ -393,9 +396,7 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
-        try:
-            return "".join(self.chars[i] for i in ids)
-        except (IndexError, TypeError):
-            bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.vocab_size][:5]
-            raise ValueError(f"token ids {bad} are outside this tokenizer's vocabulary 0..{self.vocab_size - 1}") \
-                from None
+        bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < self.vocab_size)]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside this tokenizer's vocabulary 0..{self.vocab_size - 1}")
+        return "".join(self.chars[i] for i in ids)

