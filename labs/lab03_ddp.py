@@ -1,0 +1,183 @@
+"""Lab 3 — data parallel training: nanodist DDP vs torch DDP vs the naive version, speedup and efficiency.
+
+    torchrun --nproc_per_node=2 labs/lab03_ddp.py                       # all three, plus a 1-rank baseline
+    torchrun --nproc_per_node=2 labs/lab03_ddp.py --impl nanodist --steps 200 --wandb
+    python labs/lab03_ddp.py --impl single                              # the 1-rank reference run
+
+Every implementation trains the same tiny GPT from the same initial weights on the same data.
+--scaling weak keeps the micro-batch per rank fixed (more ranks: a bigger total batch per step);
+--scaling strong keeps the total batch fixed (more ranks: less work each). With --baseline (on by
+default for --impl all) rank 0 first trains alone, as a world of one, while the other ranks wait:
+the 1-rank reference measured in the same run, on the same machine, a moment earlier.
+
+At the end the lab prints tokens/s per implementation, the throughput ratios between them, and the
+speedup and efficiency against the 1-rank baseline, and writes them to labs/results/lab03_ddp/.
+"""
+import argparse
+import dataclasses
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import nanodist as nd
+from nanodist.data import CharTokenizer, TokenStream, load_corpus, train_val_split
+from nanodist.ddp import NaiveDDP
+from nanodist.model import GPT, GPTConfig
+from nanodist.results import Recorder, load_all
+from nanodist.train import TrainConfig, Trainer, grad_accum_steps
+
+IMPLS = ("nanodist", "torch", "naive", "single")
+WARMUP_STEPS = 3  # excluded from throughput: first steps pay for allocation and thread start-up
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", choices=IMPLS + ("all",), default="all",
+                   help="which data-parallel implementation to train (all: torch, nanodist, naive in turn)")
+    p.add_argument("--scaling", choices=["weak", "strong"], default="weak")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per implementation")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--total-batch", type=int, default=None,
+                   help="tokens per optimizer step (default: weak = micro-batch x seq-len x ranks; "
+                        "strong = micro-batch x seq-len x 2)")
+    p.add_argument("--model", choices=["tiny", "small"], default="small", help="a nanodist.model preset")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (nanodist and torch)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data", default=None, help="a text file to train on (default: the built-in corpus)")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure a 1-rank baseline on rank 0 first (default: on for --impl all)")
+    p.add_argument("--timeline", action="store_true", help="record nanodist DDP's bucket timeline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wandb", action="store_true", help="log to Weights & Biases from rank 0 (offline unless logged in)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    args = p.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps must be more than {WARMUP_STEPS} (the first {WARMUP_STEPS} are warm-up, not timed)")
+    return p, args
+
+
+def total_batch(args, world_size: int) -> int:
+    if args.total_batch is not None:
+        return args.total_batch
+    ranks = world_size if args.scaling == "weak" else 2
+    return args.micro_batch * args.seq_len * ranks
+
+
+def train_one(impl: str, args, info, tokens, vocab: int, record_timeline=False) -> dict:
+    """Train `impl` from the seeded initial weights; return throughput, losses and (optionally) the timeline."""
+    world = 1 if impl == "single" else info.world_size
+    run_info = dataclasses.replace(info, rank=0 if impl == "single" else info.rank, world_size=world,
+                                   local_world_size=1 if impl == "single" else info.local_world_size)
+    torch.manual_seed(args.seed)  # identical initial weights for every implementation, on every rank
+    model = GPT(GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)).to(info.device)
+    raw = model
+    if impl == "nanodist":
+        model = nd.DDP(model, bucket_cap_mb=args.bucket_mb, record_timeline=record_timeline)
+    elif impl == "torch":
+        model = TorchDDP(model, bucket_cap_mb=args.bucket_mb,
+                         device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    elif impl == "naive":
+        model = NaiveDDP(model)
+    optimizer = torch.optim.AdamW(raw.configure_param_groups(weight_decay=0.1), lr=args.lr, betas=(0.9, 0.95))
+    train_tokens, val_tokens = train_val_split(tokens)
+    stream = lambda toks, seed: TokenStream(toks, batch_size=args.micro_batch, block_size=args.seq_len,
+                                            rank=run_info.rank, world_size=world, seed=seed, device=info.device)
+    cfg = TrainConfig(steps=args.steps, total_batch_tokens=total_batch(args, world), micro_batch=args.micro_batch,
+                      seq_len=args.seq_len, lr=args.lr, warmup_steps=5, dtype=args.dtype, eval_batches=2,
+                      log_every=0, progress=not args.no_progress, wandb=args.wandb and impl != "single",
+                      run_name=f"lab03-{impl}-{world}ranks")
+    trainer = Trainer(model, optimizer, stream(train_tokens, args.seed), cfg,
+                      val_data=stream(val_tokens, args.seed + 1), info=run_info)
+    history = trainer.fit()
+    timed = history[WARMUP_STEPS:]
+    out = {
+        "impl": impl, "world_size": world, "grad_accum": trainer.grad_accum,
+        "tokens_per_step": trainer.tokens_per_step,
+        "median_step_s": statistics.median(h["time_s"] for h in timed),
+        "tokens_per_s": trainer.tokens_per_step / statistics.median(h["time_s"] for h in timed),
+        "losses": [round(h["loss"], 5) for h in history],
+        "val_loss": history[-1].get("val_loss"),
+        "params": raw.num_params(),
+        "history": history,
+    }
+    if impl == "nanodist" and record_timeline:
+        out["timeline"] = model.timeline
+        out["buckets"] = [b.buffer.numel() for b in model.buckets]
+    return out
+
+
+def baseline_from_files(args, info, impl: str) -> dict | None:
+    """The latest 1-rank run of this lab with the same model and batch, on this machine, if one exists."""
+    from nanodist.results import hardware_fingerprint
+    host = hardware_fingerprint()["hostname"]
+    same = [r for r in load_all("lab03_ddp") if r["world_size"] == 1 and r["hardware"].get("hostname") == host
+            and all(r["config"].get(k) == getattr(args, k) for k in ("model", "micro_batch", "seq_len", "scaling", "dtype"))]
+    for r in reversed(same):
+        for name in (impl, "single"):
+            if name in r["metrics"].get("impls", {}):
+                return r["metrics"]["impls"][name]
+    return None
+
+
+def main():
+    parser, args = parse_args()
+    info = nd.init(seed=args.seed)
+    try:
+        grad_accum_steps(total_batch(args, info.world_size), args.micro_batch, args.seq_len, info.world_size)
+    except ValueError as e:
+        parser.error(str(e))
+    text = load_corpus(args.data)
+    tok = CharTokenizer(text)
+    tokens = torch.tensor(tok.encode(text), dtype=torch.int64)
+    impls = ["torch", "nanodist", "naive"] if args.impl == "all" else [args.impl]
+    if info.world_size > 1 and "single" in impls:
+        parser.error("--impl single is the 1-rank reference: run it without torchrun (or use --baseline)")
+    baseline = args.baseline if args.baseline is not None else args.impl == "all"
+
+    rec = Recorder("lab03_ddp", config=vars(args), info=info)
+    results = {}
+    if baseline and info.world_size > 1:
+        nd.print0(f"== baseline: rank 0 trains alone ({args.steps} steps) while the other ranks wait")
+        if info.is_main:
+            results["single"] = train_one("single", args, info, tokens, tok.vocab_size)
+        dist.barrier()
+    for impl in impls:
+        nd.print0(f"== {impl}: {info.world_size} rank(s), {args.scaling} scaling, {args.steps} steps")
+        results[impl] = train_one(impl, args, info, tokens, tok.vocab_size, record_timeline=args.timeline)
+
+    for name, r in results.items():
+        nd.print0(f"{name:>8}: {r['world_size']} rank(s)  {r['tokens_per_s']:9.0f} tokens/s  "
+                  f"step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
+    main_impl = impls[1] if args.impl == "all" else impls[0]
+    for h in results[main_impl]["history"]:
+        rec.step(**{k: v for k, v in h.items()})
+    metrics = {"impls": {k: {kk: vv for kk, vv in v.items() if kk != "history"} for k, v in results.items()},
+               "main_impl": main_impl, "tokens_per_s": results[main_impl]["tokens_per_s"]}
+    if "torch" in results and "nanodist" in results:
+        metrics["ratio_nanodist_vs_torch"] = results["nanodist"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
+        nd.print0(f"ratio nanodist/torch DDP throughput: {metrics['ratio_nanodist_vs_torch']:.2f} (target >= 1.0)")
+    if "torch" in results and "naive" in results:
+        metrics["ratio_naive_vs_torch"] = results["naive"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
+        nd.print0(f"ratio naive/torch DDP throughput: {metrics['ratio_naive_vs_torch']:.2f} (target <= 0.6)")
+    base = results.get("single")
+    source = "same run"
+    if base is None and info.world_size > 1:
+        base, source = baseline_from_files(args, info, main_impl), "an earlier 1-rank run"
+    if base is not None and info.world_size > 1:
+        speedup = results[main_impl]["tokens_per_s"] / base["tokens_per_s"]
+        metrics.update(speedup=speedup, efficiency=speedup / info.world_size, baseline_source=source)
+        nd.print0(f"{args.scaling}-scaling speedup ({main_impl}, {info.world_size} ranks vs 1, {source}): {speedup:.2f}")
+        nd.print0(f"{args.scaling}-scaling efficiency ({main_impl}, {info.world_size} ranks vs 1, {source}): "
+                  f"{speedup / info.world_size:.2f} (target >= 0.8)")
+    rec.metrics.update(metrics)
+    path = rec.save()
+    nd.print0(f"wrote {path}")
+    nd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
