@@ -88,7 +88,7 @@ def train_one(impl: str, args, info, tokens, vocab: int, record_timeline=False) 
                                             rank=run_info.rank, world_size=world, seed=seed, device=info.device)
     cfg = TrainConfig(steps=args.steps, total_batch_tokens=total_batch(args, world), micro_batch=args.micro_batch,
                       seq_len=args.seq_len, lr=args.lr, warmup_steps=5, dtype=args.dtype, eval_batches=2,
-                      log_every=0, progress=not args.no_progress, wandb=args.wandb and impl != "single",
+                      log_every=0, progress=not args.no_progress, wandb=args.wandb,
                       run_name=f"lab03-{impl}-{world}ranks")
     trainer = Trainer(model, optimizer, stream(train_tokens, args.seed), cfg,
                       val_data=stream(val_tokens, args.seed + 1), info=run_info)
@@ -126,13 +126,16 @@ def baseline_from_files(args, info, impl: str) -> dict | None:
 def main():
     parser, args = parse_args()
     info = nd.init(seed=args.seed)
-    try:
+    try:  # bad sizes or data: a clear message on every rank, before any training starts
         grad_accum_steps(total_batch(args, info.world_size), args.micro_batch, args.seq_len, info.world_size)
-    except ValueError as e:
+        text = load_corpus(args.data)
+        tok = CharTokenizer(text)
+        tokens = torch.tensor(tok.encode(text), dtype=torch.int64)
+        for part in train_val_split(tokens):
+            TokenStream(part, batch_size=args.micro_batch, block_size=args.seq_len, rank=info.rank,
+                        world_size=info.world_size)
+    except (ValueError, OSError) as e:
         parser.error(str(e))
-    text = load_corpus(args.data)
-    tok = CharTokenizer(text)
-    tokens = torch.tensor(tok.encode(text), dtype=torch.int64)
     impls = ["torch", "nanodist", "naive"] if args.impl == "all" else [args.impl]
     if info.world_size > 1 and "single" in impls:
         parser.error("--impl single is the 1-rank reference: run it without torchrun (or use --baseline)")

@@ -99,6 +99,8 @@ class WandbLogger:
             self.message = "wandb is not installed: training continues without it (pip install wandb)"
             print0(self.message)
             return
+        if os.environ.get("WANDB_MODE") == "":
+            del os.environ["WANDB_MODE"]  # wandb itself rejects an empty mode
         mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_configured() else "offline")
         try:
             self.run = wandb.init(project=project, config=config, name=name, mode=mode, dir=directory,

@@ -1,0 +1,82 @@
+"""Lab 3 end to end: three DDP implementations train identically; bad input gets a clear message."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nanodist as nd
+from nanodist.results import load_all
+
+LAB = Path(__file__).resolve().parents[1] / "labs" / "lab03_ddp.py"
+SMALL = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--steps", "5", "--no-progress"]
+pytestmark = pytest.mark.dist
+
+
+def run_lab(args, results_dir, extra_env=None):
+    env = {**os.environ, "NANODIST_RESULTS_DIR": str(results_dir), **(extra_env or {})}
+    env = {k: v for k, v in env.items() if v is not None}  # None: unset the variable
+    return subprocess.run([sys.executable, str(LAB), *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_all_implementations_in_one_run_train_identically(results_dir):
+    run = nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--timeline"], timeout=300, echo=False)
+    m = run.results["metrics"]
+    assert set(m["impls"]) == {"single", "torch", "nanodist", "naive"}
+    curves = {k: m["impls"][k]["losses"] for k in ("torch", "nanodist", "naive")}
+    for k in ("nanodist", "naive"):
+        assert curves[k] == pytest.approx(curves["torch"], rel=1e-4), k
+    assert curves["torch"][-1] < curves["torch"][0]
+    assert m["impls"]["single"]["world_size"] == 1 and m["impls"]["torch"]["world_size"] == 2
+    for key in ("ratio_nanodist_vs_torch", "ratio_naive_vs_torch", "speedup", "efficiency"):
+        assert m[key] > 0
+    assert m["efficiency"] == pytest.approx(m["speedup"] / 2)
+    assert m["baseline_source"] == "same run"
+    timeline = m["impls"]["nanodist"]["timeline"]
+    assert len(timeline) == 5 * len(m["impls"]["nanodist"]["buckets"])
+    assert len(run.results["steps"]) == 5 and run.results["steps"][0]["tokens_per_s"] > 0
+    printed = "\n".join(run.lines(0))
+    assert "ratio nanodist/torch DDP throughput:" in printed and "weak-scaling efficiency" in printed
+
+
+def test_speedup_against_an_earlier_one_rank_run(results_dir):
+    single = run_lab(SMALL + ["--impl", "single", "--scaling", "strong"], results_dir)
+    assert single.returncode == 0, single.stderr
+    run = nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--impl", "nanodist", "--scaling", "strong"],
+                    timeout=300, echo=False)
+    m = run.results["metrics"]
+    assert m["baseline_source"] == "an earlier 1-rank run"
+    (one,) = load_all("lab03_ddp", roots=[results_dir], include_reference=False)[:1]
+    expected = m["tokens_per_s"] / one["metrics"]["impls"]["single"]["tokens_per_s"]
+    assert m["speedup"] == pytest.approx(expected)
+    # strong scaling: the same total batch, so 1 rank accumulates twice as many micro-steps
+    assert one["metrics"]["impls"]["single"]["grad_accum"] == 2 * m["impls"]["nanodist"]["grad_accum"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--total-batch", "1000"], "total batch of 1000 tokens is not a positive multiple of"),
+    (["--impl", "fancy"], "invalid choice: 'fancy'"),
+    (["--steps", "2"], "--steps must be more than 3"),
+    (["--micro-batch", "512", "--seq-len", "512"], "token stream too small"),
+    (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
+])
+def test_bad_input_is_a_clear_message(results_dir, args, message):
+    out = run_lab(SMALL + ["--impl", "single"] + args, results_dir)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_wandb_missing_or_not_logged_in_does_not_stop_the_lab(results_dir, tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "wandb.py").write_text("raise ImportError('no wandb here')\n")
+    out = run_lab(SMALL + ["--impl", "single", "--wandb"], results_dir, {"PYTHONPATH": str(fake)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("wandb is not installed") == 1
+    not_logged_in = {"WANDB_DIR": str(tmp_path), "WANDB_API_KEY": None, "WANDB_MODE": None,
+                     "NETRC": str(tmp_path / "none")}
+    out = run_lab(SMALL + ["--impl", "single", "--wandb"], results_dir, not_logged_in)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("wandb is logging offline") == 1
