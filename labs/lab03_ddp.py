@@ -51,6 +51,8 @@ def parse_args():
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="measure a 1-rank baseline on rank 0 first (default: on for --impl all)")
     p.add_argument("--timeline", action="store_true", help="record nanodist DDP's bucket timeline")
+    p.add_argument("--verify", action="store_true",
+                   help="also check that N ranks x micro-batch train exactly like 1 process x N micro-batches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases from rank 0 (offline unless logged in)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -110,6 +112,39 @@ def train_one(impl: str, args, info, tokens, vocab: int, record_timeline=False) 
     return out
 
 
+def verify_equivalence(args, info, tokens, vocab: int, steps: int = 5) -> dict:
+    """Averaging gradients over N ranks == one process on the N-times bigger batch: run both, compare.
+
+    Every rank trains nanodist DDP on its own micro-batch; rank 0 also trains a plain copy of the model
+    on all ranks' micro-batches concatenated. Returns the largest parameter difference after each step.
+    """
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)
+    model = GPT(cfg).to(info.device)
+    big = GPT(cfg).to(info.device)
+    big.load_state_dict(model.state_dict())
+    ddp = nd.DDP(model, bucket_cap_mb=args.bucket_mb)
+    opts = [torch.optim.AdamW(m.parameters(), lr=args.lr) for m in (model, big)]
+    stream = TokenStream(tokens, batch_size=args.micro_batch, block_size=args.seq_len, rank=info.rank,
+                         world_size=info.world_size, seed=args.seed, device=info.device)
+    diffs = []
+    for _ in range(steps):
+        x, y = next(stream)
+        ddp(x, y)[1].backward()
+        xs, ys = [torch.empty_like(x) for _ in range(info.world_size)], [torch.empty_like(y) for _ in range(info.world_size)]
+        dist.all_gather(xs, x)
+        dist.all_gather(ys, y)
+        if info.is_main:
+            big(torch.cat(xs), torch.cat(ys))[1].backward()  # the mean over N*b sequences
+            opts[1].step()
+            opts[1].zero_grad()
+        opts[0].step()
+        opts[0].zero_grad()
+        if info.is_main:
+            diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), big.parameters())))
+    return {"steps": steps, "max_abs_diff": diffs, "global_batch": args.micro_batch * info.world_size}
+
+
 def baseline_from_files(args, info, impl: str) -> dict | None:
     """The latest 1-rank run of this lab with the same model and batch, on this machine, if one exists."""
     from nanodist.results import hardware_fingerprint
@@ -152,6 +187,12 @@ def main():
         nd.print0(f"== {impl}: {info.world_size} rank(s), {args.scaling} scaling, {args.steps} steps")
         results[impl] = train_one(impl, args, info, tokens, tok.vocab_size, record_timeline=args.timeline)
 
+    verified = None
+    if args.verify:
+        verified = verify_equivalence(args, info, tokens, tok.vocab_size)
+        if info.is_main:
+            nd.print0(f"N x b == 1 x Nb: largest parameter difference after each step: "
+                      f"{', '.join(f'{d:.1e}' for d in verified['max_abs_diff'])}")
     for name, r in results.items():
         nd.print0(f"{name:>8}: {r['world_size']} rank(s)  {r['tokens_per_s']:9.0f} tokens/s  "
                   f"step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
@@ -176,6 +217,8 @@ def main():
         nd.print0(f"{args.scaling}-scaling speedup ({main_impl}, {info.world_size} ranks vs 1, {source}): {speedup:.2f}")
         nd.print0(f"{args.scaling}-scaling efficiency ({main_impl}, {info.world_size} ranks vs 1, {source}): "
                   f"{speedup / info.world_size:.2f} (target >= 0.8)")
+    if verified is not None:
+        metrics["verify"] = verified
     rec.metrics.update(metrics)
     path = rec.save()
     nd.print0(f"wrote {path}")

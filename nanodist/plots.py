@@ -48,3 +48,58 @@ def bars(labels: list[str], values: list[float], ylabel: str, title: str = "", a
     ax.set_title(title)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
+
+
+def ddp_timeline(timeline: list[dict], step: int = -1, ax=None):
+    """One training step of nanodist.DDP: when each bucket's all-reduce was launched and finished,
+    against the backward pass (from DDP(record_timeline=True).timeline; times from the first ready gradient)."""
+    n_buckets = 1 + max(t["bucket"] for t in timeline)
+    steps = [timeline[i:i + n_buckets] for i in range(0, len(timeline), n_buckets)]
+    rows = steps[step]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * (n_buckets + 1)))
+    ms = 1e3
+    end = rows[0]["backward_end_s"] * ms
+    ax.barh(n_buckets, end, left=0, color="#BBBBBB", height=0.6)
+    ax.text(end / 2, n_buckets, "backward (gradients being computed)", ha="center", va="center", fontsize=8)
+    for t in rows:
+        b = t["bucket"]
+        ax.barh(n_buckets - 1 - b, (t["done_s"] - t["launch_s"]) * ms, left=t["launch_s"] * ms,
+                color=PALETTE[b % len(PALETTE)], height=0.6)
+    ax.set_yticks(range(n_buckets + 1),
+                  [f"bucket {n_buckets - 1 - i}" for i in range(n_buckets)] + ["compute"])
+    ax.axvline(end, color="#555555", lw=1, ls="--")
+    ax.set_xlabel("ms since the first gradient was ready")
+    ax.set_title("all-reduce of each gradient bucket, overlapping the backward pass")
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
+def scaling(measured: dict, predicted: dict | None = None, max_ranks: int = 8, axes=None):
+    """Speedup and efficiency against the number of ranks.
+
+    measured: {label: [(ranks, speedup), ...]} points from lab runs; predicted: {label: callable(ranks) ->
+    speedup} curves (e.g. a cost-model prediction). The ideal (speedup = ranks) is drawn for reference.
+    """
+    import numpy as np
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax_s, ax_e = axes
+    n = np.arange(1, max_ranks + 1)
+    ax_s.plot(n, n, color="#999999", ls=":", label="ideal")
+    ax_e.plot(n, np.ones_like(n, dtype=float), color="#999999", ls=":", label="ideal")
+    for i, (label, fn) in enumerate((predicted or {}).items()):
+        s = np.array([fn(k) for k in n])
+        ax_s.plot(n, s, color=PALETTE[i % len(PALETTE)], lw=1.2, ls="--", label=label)
+        ax_e.plot(n, s / n, color=PALETTE[i % len(PALETTE)], lw=1.2, ls="--", label=label)
+    for i, (label, pts) in enumerate(measured.items()):
+        ks, ss = zip(*sorted(pts))
+        color = PALETTE[(i + len(predicted or {})) % len(PALETTE)]
+        ax_s.plot(ks, ss, "o-", color=color, label=label)
+        ax_e.plot(ks, [s / k for s, k in zip(ss, ks)], "o-", color=color, label=label)
+    ax_s.set(xlabel="ranks", ylabel="speedup", title="speedup")
+    ax_e.set(xlabel="ranks", ylabel="efficiency = speedup / ranks", title="efficiency", ylim=(0, 1.1))
+    for ax in axes:
+        ax.spines[["top", "right"]].set_visible(False)
+    ax_e.legend(fontsize=8, loc="lower left")
+    return axes
