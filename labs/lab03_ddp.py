@@ -30,6 +30,7 @@ from nanodist.train import TrainConfig, Trainer, grad_accum_steps
 
 IMPLS = ("nanodist", "torch", "naive", "single")
 WARMUP_STEPS = 3  # excluded from throughput: first steps pay for allocation and thread start-up
+BLOCK_STEPS = 5  # implementations take turns, this many steps each
 
 
 def parse_args():
@@ -69,12 +70,12 @@ def total_batch(args, world_size: int) -> int:
     return args.micro_batch * args.seq_len * ranks
 
 
-def train_one(impl: str, args, info, tokens, vocab: int, record_timeline=False) -> dict:
-    """Train `impl` from the seeded initial weights; return throughput, losses and (optionally) the timeline."""
+def make_trainer(impl: str, args, info, tokens, vocab: int, record_timeline=False):
+    """A Trainer for `impl`, starting from the seeded initial weights (identical for every impl and rank)."""
     world = 1 if impl == "single" else info.world_size
     run_info = dataclasses.replace(info, rank=0 if impl == "single" else info.rank, world_size=world,
                                    local_world_size=1 if impl == "single" else info.local_world_size)
-    torch.manual_seed(args.seed)  # identical initial weights for every implementation, on every rank
+    torch.manual_seed(args.seed)
     model = GPT(GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)).to(info.device)
     raw = model
     if impl == "nanodist":
@@ -92,24 +93,38 @@ def train_one(impl: str, args, info, tokens, vocab: int, record_timeline=False) 
                       seq_len=args.seq_len, lr=args.lr, warmup_steps=5, dtype=args.dtype, eval_batches=2,
                       log_every=0, progress=not args.no_progress, wandb=args.wandb,
                       run_name=f"lab03-{impl}-{world}ranks")
-    trainer = Trainer(model, optimizer, stream(train_tokens, args.seed), cfg,
-                      val_data=stream(val_tokens, args.seed + 1), info=run_info)
-    history = trainer.fit()
-    timed = history[WARMUP_STEPS:]
+    return Trainer(model, optimizer, stream(train_tokens, args.seed), cfg,
+                   val_data=stream(val_tokens, args.seed + 1), info=run_info)
+
+
+def summarize(impl: str, trainer) -> dict:
+    """Throughput (median over the steps after warm-up), losses and, for nanodist, the bucket timeline."""
+    timed = trainer.history[WARMUP_STEPS:]
+    step_s = statistics.median(h["time_s"] for h in timed)
+    model = trainer.model
     out = {
-        "impl": impl, "world_size": world, "grad_accum": trainer.grad_accum,
-        "tokens_per_step": trainer.tokens_per_step,
-        "median_step_s": statistics.median(h["time_s"] for h in timed),
-        "tokens_per_s": trainer.tokens_per_step / statistics.median(h["time_s"] for h in timed),
-        "losses": [round(h["loss"], 5) for h in history],
-        "val_loss": history[-1].get("val_loss"),
-        "params": raw.num_params(),
-        "history": history,
+        "impl": impl, "world_size": trainer.info.world_size, "grad_accum": trainer.grad_accum,
+        "tokens_per_step": trainer.tokens_per_step, "median_step_s": step_s,
+        "tokens_per_s": trainer.tokens_per_step / step_s,
+        "losses": [round(h["loss"], 5) for h in trainer.history],
+        "val_loss": trainer.history[-1].get("val_loss"),
+        "params": sum(p.numel() for p in model.parameters()),
+        "history": trainer.history,
     }
-    if impl == "nanodist" and record_timeline:
+    if isinstance(model, nd.DDP) and model.record_timeline:
         out["timeline"] = model.timeline
         out["buckets"] = [b.buffer.numel() for b in model.buckets]
     return out
+
+
+def train_interleaved(impls, args, info, tokens, vocab: int) -> dict:
+    """Train every impl, alternating blocks of steps between them, so that a drift in the machine's load
+    (another program, frequency scaling) hits every implementation alike: a fair comparison in one run."""
+    trainers = {impl: make_trainer(impl, args, info, tokens, vocab, record_timeline=args.timeline) for impl in impls}
+    while any(t.step < args.steps for t in trainers.values()):
+        for t in trainers.values():
+            t.fit(max_steps=BLOCK_STEPS)
+    return {impl: summarize(impl, t) for impl, t in trainers.items()}
 
 
 def verify_equivalence(args, info, tokens, vocab: int, steps: int = 5) -> dict:
@@ -187,11 +202,13 @@ def main():
     if baseline and info.world_size > 1:
         nd.print0(f"== baseline: rank 0 trains alone ({args.steps} steps) while the other ranks wait")
         if info.is_main:
-            results["single"] = train_one("single", args, info, tokens, tok.vocab_size)
+            trainer = make_trainer("single", args, info, tokens, tok.vocab_size)
+            trainer.fit()
+            results["single"] = summarize("single", trainer)
         dist.barrier()
-    for impl in impls:
-        nd.print0(f"== {impl}: {info.world_size} rank(s), {args.scaling} scaling, {args.steps} steps")
-        results[impl] = train_one(impl, args, info, tokens, tok.vocab_size, record_timeline=args.timeline)
+    nd.print0(f"== {', '.join(impls)}: {info.world_size} rank(s), {args.scaling} scaling, {args.steps} steps each, "
+              f"taking turns every {BLOCK_STEPS} steps")
+    results.update(train_interleaved(impls, args, info, tokens, tok.vocab_size))
 
     verified = None
     if args.verify:

@@ -152,16 +152,23 @@ class DDP(_SyncBase):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 record_timeline: bool = False):
+                 record_timeline: bool = False, first_bucket_cap_mb: float = 1.0):
         super().__init__(module, process_group, broadcast_buffers)
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+            raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={bucket_cap_mb}, "
+                             f"first_bucket_cap_mb={first_bucket_cap_mb}")
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        # The first bucket (the last layers, whose gradients come first) is kept small, as in torch DDP,
+        # so that communication starts early in backward instead of waiting for 25 MB of gradients.
+        self.first_bucket_cap_bytes = int(min(first_bucket_cap_mb, bucket_cap_mb) * 2**20)
         self.find_unused_parameters = find_unused_parameters
         self.record_timeline = record_timeline
         self.timeline: list[dict] = []  # filled when record_timeline: one dict per bucket per step
         self.buckets = self._build_buckets()
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        # Each parameter's slice of its bucket's buffer, shaped like the parameter: made once, reused every step.
+        self._slots = {p: b.buffer[b.offsets[i]:b.offsets[i] + p.numel()].view_as(p)
+                       for b in self.buckets for i, p in enumerate(b.params)}
         self._used = set()
         self._next = 0  # the next bucket to launch
         self._backward_start = None
@@ -174,7 +181,8 @@ class DDP(_SyncBase):
         params = [p for _, p in reversed(self.trainable)]  # backward meets the last layers first
         for p in params:
             nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > self.bucket_cap_bytes or p.dtype != current[0].dtype
+            cap = self.first_bucket_cap_bytes if not buckets else self.bucket_cap_bytes
+            if current and (size + nbytes > cap or p.dtype != current[0].dtype
                             or p.device != current[0].device):
                 buckets.append(current)
                 current, size = [], 0
@@ -193,10 +201,6 @@ class DDP(_SyncBase):
 
     # --- during backward ----------------------------------------------------------------------------
 
-    def _slot(self, p: nn.Parameter) -> torch.Tensor:
-        bucket, i = self._where[p]
-        return bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + p.numel()]
-
     def _grad_ready(self, p: nn.Parameter) -> None:
         if not self.require_sync:
             return  # no_sync: the gradient just accumulates in p.grad
@@ -210,9 +214,9 @@ class DDP(_SyncBase):
             raise RuntimeError(f"DDP: parameter {self._name(p)} received a gradient twice in one backward "
                                f"(the same module run twice in one step?); this is not supported")
         self._used.add(p)
-        slot = self._slot(p)
+        slot = self._slots[p]
         if p.grad.data_ptr() != slot.data_ptr():  # after the first step p.grad usually *is* the slot
-            slot.copy_(p.grad.reshape(-1))
+            slot.copy_(p.grad)
         self._where[p][0].ready += 1
         self._launch_ready_buckets()
 
@@ -243,9 +247,9 @@ class DDP(_SyncBase):
         missing = [p for _, p in self.trainable if p not in self._used]
         for p in missing:
             if p.grad is not None:
-                self._slot(p).copy_(p.grad.reshape(-1))
+                self._slots[p].copy_(p.grad)
             else:
-                self._slot(p).zero_()
+                self._slots[p].zero_()
             self._where[p][0].ready += 1
         self._launch_ready_buckets()
         has_grad = {p for _, p in self.trainable if p in self._used or p.grad is not None}
@@ -266,7 +270,7 @@ class DDP(_SyncBase):
                 f"DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
         for _, p in self.trainable:
             if p in used_anywhere:
-                view = self._slot(p).view_as(p)
+                view = self._slots[p]
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view  # the averaged gradient lives in the bucket: no copy back
         self._reset()

@@ -158,6 +158,7 @@ class Trainer:
             optimizer.max_grad_norm = cfg.grad_clip or None
         self.step = 0
         self.history: list[dict] = []
+        self._wandb, self._bar = None, None
 
     def _sync_device(self) -> None:
         if self.info.device.type == "cuda":
@@ -216,16 +217,18 @@ class Trainer:
                 "tokens_per_s": self.tokens_per_step / dt,
                 **({"grad_norm": grad_norm} if grad_norm is not None else {})}
 
-    def fit(self) -> list[dict]:
+    def fit(self, max_steps: int | None = None) -> list[dict]:
+        """Train until cfg.steps (or `max_steps` more steps: fit can be called again to go on). Returns history."""
         cfg, info = self.cfg, self.info
-        wandb = WandbLogger(cfg.wandb, cfg.wandb_project, {**asdict(cfg), "world_size": info.world_size},
-                            name=cfg.run_name)
-        bar = None
-        if cfg.progress and info.is_main:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=cfg.steps, desc="train", leave=False)
+        if self._wandb is None:  # opened on the first call, closed when the last step is done
+            self._wandb = WandbLogger(cfg.wandb, cfg.wandb_project, {**asdict(cfg), "world_size": info.world_size},
+                                      name=cfg.run_name)
+            if cfg.progress and info.is_main:
+                from tqdm.auto import tqdm
+                self._bar = tqdm(total=cfg.steps, desc=cfg.run_name or "train", leave=False)
+        stop = cfg.steps if max_steps is None else min(cfg.steps, self.step + max_steps)
         try:
-            while self.step < cfg.steps:
+            while self.step < stop:
                 row = self.train_step()
                 step = row["step"]
                 if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps - 1):
@@ -238,12 +241,20 @@ class Trainer:
                 self.history.append(row)
                 if self.recorder is not None:
                     self.recorder.step(**row)
-                wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        finally:
-            if bar is not None:
-                bar.close()
-            wandb.finish()
+                self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+                if self._bar is not None:
+                    self._bar.update(1)
+                    self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        except BaseException:
+            self._close()
+            raise
+        if self.step >= cfg.steps:
+            self._close()
         return self.history
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._wandb is not None:
+            self._wandb.finish()
