@@ -13,20 +13,25 @@ arithmetic, so you can read exactly who sends what to whom at every step:
 They mirror torch's contracts (`dist.all_reduce`, `dist.reduce_scatter_tensor`,
 `dist.all_gather_into_tensor`): same shapes, same results, any process group (`group=`), any world
 size, any length. The ring's schedule (`ring_schedule`) is a pure function, and `simulate()` replays
-it on a list of per-rank buffers in one process -- that is what the book draws, step by step.
+it on a list of per-rank buffers in one process -- that is what the book draws, step by step;
+`trace_ring_all_reduce()` runs the real thing on processes and returns the same frames.
 
 Reductions: op="sum" or "avg" (torch's ReduceOp.SUM / AVG work too). "avg" sums, then divides by the
-world size, like torch's gloo backend; on integer tensors it raises TypeError, as torch does.
+world size, like torch's gloo backend; on integer tensors it raises TypeError (torch raises too).
 
 Debugging: a rank that passes a different dtype or shape than its peers makes point-to-point code
 exchange the wrong number of bytes -- it hangs or returns garbage. With check=True (or the
 environment variable NANODIST_CHECK_COLLECTIVES=1 on every rank), the ranks first exchange a short
-description of their call and all raise CollectiveMismatch, naming what each rank passed.
+description of their call and all raise CollectiveMismatch, naming what each rank passed. The check
+runs before any other validation, so one rank's bad arguments make every rank raise instead of hang.
+
+Receive buffers are kept between calls (allocating 16 MB per call costs page faults, i.e. bandwidth);
+free_buffers() releases them.
 """
 from __future__ import annotations
 
-import math
 import os
+from itertools import zip_longest
 
 import torch
 import torch.distributed as dist
@@ -76,7 +81,7 @@ _buffers: dict[tuple, torch.Tensor] = {}  # (device, dtype, slot) -> a flat buff
 
 
 def _scratch(numel: int, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
-    """A reusable receive buffer: fresh 16 MB allocations each call cost page faults, i.e. bandwidth."""
+    """A receive buffer of numel elements, reused across calls (slot: a second one, for double buffering)."""
     key = (like.device, like.dtype, slot)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < numel:
@@ -93,17 +98,42 @@ def _post(sends=(), recvs=(), group=None) -> list:
     """Start sends [(tensor, global peer)] and receives [(tensor, global peer)] together; return the requests.
 
     Posting both sides of an exchange in one batch is what makes a ring deadlock-free: nobody waits
-    for its send to finish before it has offered to receive. Empty tensors carry nothing and are
-    skipped (both sides know the sizes, so they skip the same messages).
+    for its send to finish before it has offered to receive. Empty tensors (and None) carry nothing
+    and are skipped: both sides know the sizes, so they skip the same messages.
     """
-    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t.numel() > 0]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t.numel() > 0]
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t is not None and t.numel() > 0]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t is not None and t.numel() > 0]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _wait(requests) -> None:
     for req in requests:
         req.wait()
+
+
+SEGMENT_BYTES = 4 << 20  # pipelining granularity: big enough that per-message overhead stays small
+
+
+def _segments(t: torch.Tensor) -> tuple:
+    # Sender and receiver cut a message identically, from its length alone, so the pieces match up;
+    # no piece of a non-empty message is empty (there are never more pieces than elements).
+    return t.tensor_split(max(1, t.numel() * t.element_size() // SEGMENT_BYTES))
+
+
+def _send_recv_add(outgoing, right, incoming, left, addend, result, group) -> None:
+    """Send `outgoing` right while `incoming` arrives from the left; then result = incoming + addend.
+
+    Pipelined: the messages travel as segments of about SEGMENT_BYTES, each segment's send and receive
+    posted together (one batch, so NCCL too can run a ring of them without deadlock), all posted up
+    front; each arriving segment is added while the next ones are still on the wire. `result` may be
+    `incoming` or `addend`. The two messages can differ by one element, hence in segment count.
+    """
+    batches = [_post([(out, right)], [(inc, left)], group)
+               for out, inc in zip_longest(_segments(outgoing), _segments(incoming))]
+    for requests, seg, add, out in zip_longest(batches, _segments(incoming), _segments(addend), _segments(result)):
+        _wait(requests)
+        if seg is not None:
+            torch.add(seg, add, out=out)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -188,10 +218,10 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | No
     same values. `trace`, if a list, gets a snapshot of this rank's buffer after every step.
     """
     op = _op_name(op)
-    _check_op_dtype("ring_all_reduce", op, tensor.dtype)
     rank, n, peers = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("ring_all_reduce", op, tensor=tensor), tensor.device, group)
+    _check_op_dtype("ring_all_reduce", op, tensor.dtype)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = _flat(work)
     chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), n)]
@@ -201,11 +231,10 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | No
     for step in range(n - 1):  # reduce-scatter: add what arrives to our own copy of that chunk
         send, recv = ring_schedule(rank, n, "reduce-scatter", step)
         incoming = scratch[:chunks[recv].numel()]
-        _wait(_post([(chunks[send], right)], [(incoming, left)], group))
-        chunks[recv].add_(incoming)
+        _send_recv_add(chunks[send], right, incoming, left, addend=chunks[recv], result=chunks[recv], group=group)
+        if op == "avg" and step == n - 2:  # chunk `rank` is complete: dividing only it is N times less work
+            chunks[recv].div_(n)
         _record(trace, "reduce-scatter", step, send, recv, flat)
-    if op == "avg":  # divide our finished chunk only: N times less work than dividing the whole tensor
-        chunks[rank].div_(n)
     for step in range(n - 1):  # all-gather: finished chunks travel round; receive straight into place
         send, recv = ring_schedule(rank, n, "all-gather", step)
         _wait(_post([(chunks[send], right)], [(chunks[recv], left)], group))
@@ -226,11 +255,11 @@ def _check_shapes(fn: str, small: torch.Tensor, big: torch.Tensor, n: int, small
     concat = small.dim() > 0 and big.shape == (small.shape[0] * n, *small.shape[1:])
     stacked = big.shape == (n, *small.shape)
     if not (concat or stacked):
-        want = f"({small.shape[0] * n}, {', '.join(map(str, small.shape[1:]))})" if small.dim() else "-"
+        forms = ([f"{(small.shape[0] * n, *small.shape[1:])} (concatenated along dim 0) or"] if small.dim() else [])
         raise ValueError(
             f"{fn}: {big_name} has shape {tuple(big.shape)} and {small_name} {tuple(small.shape)}, but with "
-            f"{n} ranks {big_name} must hold {n} {small_name}s: shape {want.replace(', )', ')')} "
-            f"(concatenated along dim 0) or {(n, *small.shape)} (stacked). Resize one of them.")
+            f"{n} ranks {big_name} must hold {n} {small_name}s: shape {' '.join(forms + [str((n, *small.shape))])} "
+            f"(stacked). Resize one of them.")
     if small.dtype != big.dtype or small.device != big.device:
         raise ValueError(f"{fn}: {small_name} is {small.dtype} on {small.device} but {big_name} is {big.dtype} "
                          f"on {big.device}: both must have the same dtype and device")
@@ -244,11 +273,11 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
     stacked). `input` is not modified. Each rank sends (N-1)/N of input's bytes, in N-1 steps.
     """
     op = _op_name(op)
-    _check_op_dtype("ring_reduce_scatter", op, input.dtype)
     rank, n, peers = _group_ranks(group)
-    _check_shapes("ring_reduce_scatter", output, input, n, "output", "input")
     if _check_enabled(check):
         _check_same_call(_describe("ring_reduce_scatter", op, output=output, input=input), input.device, group)
+    _check_op_dtype("ring_reduce_scatter", op, input.dtype)
+    _check_shapes("ring_reduce_scatter", output, input, n, "output", "input")
     inp = _flat(input.contiguous())
     out = output if output.is_contiguous() else torch.empty_like(output)
     m = out.numel()
@@ -265,8 +294,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
         send, recv = ring_schedule(rank, n, "reduce-scatter", step)
         outgoing = mine(send) if step == 0 else partial
         incoming = _flat(out) if step == n - 2 else _scratch(m, inp, slot=step % 2)
-        _wait(_post([(outgoing, right)], [(incoming, left)], group))
-        incoming.add_(mine(recv))
+        _send_recv_add(outgoing, right, incoming, left, addend=mine(recv), result=incoming, group=group)
         partial = incoming
     if op == "avg":
         out.div_(n)
@@ -283,9 +311,9 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     stacked). Each rank sends (N-1)/N of output's bytes, in N-1 steps.
     """
     rank, n, peers = _group_ranks(group)
-    _check_shapes("ring_all_gather", input, output, n, "input", "output")
     if _check_enabled(check):
         _check_same_call(_describe("ring_all_gather", None, output=output, input=input), input.device, group)
+    _check_shapes("ring_all_gather", input, output, n, "input", "output")
     inp = _flat(input.contiguous())
     out = output if output.is_contiguous() else torch.empty_like(output)
     flat = _flat(out)
@@ -315,10 +343,10 @@ def naive_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | N
     2(N-1) messages of the whole tensor pass through rank 0's link: the baseline the ring beats.
     """
     op = _op_name(op)
-    _check_op_dtype("naive_all_reduce", op, tensor.dtype)
     rank, n, peers = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("naive_all_reduce", op, tensor=tensor), tensor.device, group)
+    _check_op_dtype("naive_all_reduce", op, tensor.dtype)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = _flat(work)
     if rank == 0:
@@ -347,10 +375,10 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None,
     Every rank ends with bitwise the same values (addition is commutative, and partners add the same pair).
     """
     op = _op_name(op)
-    _check_op_dtype("recursive_doubling_all_reduce", op, tensor.dtype)
     rank, n, peers = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("recursive_doubling_all_reduce", op, tensor=tensor), tensor.device, group)
+    _check_op_dtype("recursive_doubling_all_reduce", op, tensor.dtype)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = _flat(work)
     incoming = _scratch(flat.numel(), flat)
@@ -388,18 +416,24 @@ ALL_REDUCES = {"ring": ring_all_reduce, "naive": naive_all_reduce, "recursive_do
 
 # ----------------------------------------------------------------------------- a picture of the ring
 
+def _check_buffers(fn: str, buffers) -> int:
+    if len(buffers) == 0 or any(b.shape != buffers[0].shape or b.dtype != buffers[0].dtype for b in buffers):
+        raise ValueError(f"{fn}: give one tensor per rank, all of one shape and dtype; got "
+                         f"{[(tuple(b.shape), str(b.dtype)) for b in buffers]}")
+    return len(buffers)
+
+
 def simulate(buffers: list[torch.Tensor], op="sum") -> list[dict]:
     """Replay ring_all_reduce on `buffers` (one tensor per rank) in this process, for drawing.
 
     Returns frames: the start, then one per step -- {"phase", "step", "sends": [(src, dst, chunk)],
     "buffers": [each rank's buffer after the step]} -- ending with every buffer equal to the reduction.
     Uses the same ring_schedule and chunk_bounds as ring_all_reduce; the inputs are not modified.
+    frames[N-1] is the state after the reduce-scatter phase: rank r holds the finished chunk r, which is
+    what ring_reduce_scatter returns; the all-gather frames after it picture ring_all_gather.
     """
     op = _op_name(op)
-    n = len(buffers)
-    if n == 0 or any(b.shape != buffers[0].shape or b.dtype != buffers[0].dtype for b in buffers):
-        raise ValueError(f"simulate: give one tensor per rank, all of one shape and dtype; got "
-                         f"{[(tuple(b.shape), str(b.dtype)) for b in buffers]}")
+    n = _check_buffers("simulate", buffers)
     _check_op_dtype("simulate", op, buffers[0].dtype)
     flats = [_flat(b.contiguous()).clone() for b in buffers]
     bounds = chunk_bounds(flats[0].numel(), n)
@@ -416,4 +450,29 @@ def simulate(buffers: list[torch.Tensor], op="sum") -> list[dict]:
                 for r in range(n):
                     flats[r][slice(*bounds[r])].div_(n)
             frames.append({"phase": phase, "step": step, "sends": sends, "buffers": [f.clone() for f in flats]})
+    return frames
+
+
+def _traced_worker(rank, world_size, values, dtype, op):
+    trace = []
+    ring_all_reduce(torch.tensor(values[rank], dtype=dtype), op=op, trace=trace)
+    # Plain lists travel back: a tensor would come back as a shared-memory handle that dies with this process.
+    return [(t["phase"], t["step"], t["send"], t["buffer"].tolist()) for t in trace]
+
+
+def trace_ring_all_reduce(buffers: list[torch.Tensor], op="sum", timeout: float = 120) -> list[dict]:
+    """Run ring_all_reduce for real on len(buffers) gloo processes (rank r starts from buffers[r]).
+
+    Returns frames shaped like simulate()'s, built from what every rank recorded after every step --
+    so a notebook can draw the real thing, and check that simulate() tells the truth. Costs a few
+    seconds (it starts the processes).
+    """
+    from .testing import spawn  # here, not at the top: only this helper starts processes
+    n = _check_buffers("trace_ring_all_reduce", buffers)
+    _check_op_dtype("trace_ring_all_reduce", _op_name(op), buffers[0].dtype)
+    traces = spawn(_traced_worker, n, args=([b.tolist() for b in buffers], buffers[0].dtype, op), timeout=timeout)
+    frames = [{"phase": "start", "step": -1, "sends": [], "buffers": [_flat(b.contiguous()).clone() for b in buffers]}]
+    for i, (phase, step, _, _) in enumerate(traces[0]):
+        frames.append({"phase": phase, "step": step, "sends": [(r, (r + 1) % n, traces[r][i][2]) for r in range(n)],
+                       "buffers": [_flat(torch.tensor(traces[r][i][3], dtype=buffers[0].dtype)) for r in range(n)]})
     return frames

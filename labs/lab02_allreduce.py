@@ -1,0 +1,211 @@
+"""Lab 2: how fast are the collectives? torch's own against the from-scratch ones, over message sizes.
+
+    torchrun --nproc_per_node=2 labs/lab02_allreduce.py                          # 4 KB .. 64 MB
+    torchrun --nproc_per_node=2 labs/lab02_allreduce.py --max-bytes 1M --repeats 3
+    run = nanodist.launch("lab02_allreduce", nproc=2); run.results["metrics"]    # from a notebook
+
+For each message size S: --warmup untimed calls of each op, then --repeats rounds in which every op is
+timed once (taking turns, so background load hits all ops alike). Each rank times its own call, after a
+barrier; a collective lasts as long as its slowest rank, so a call's time is the max over ranks, and we
+report the median call. Bandwidths follow nccl-tests:
+    algbw = S / t                      (S: the all-reduce tensor, the reduce-scatter input, the all-gather output)
+    busbw = algbw * 2(n-1)/n           for all-reduce, algbw * (n-1)/n for reduce-scatter and all-gather
+busbw is what each rank's link carried per second: comparable across ops and world sizes, and with
+the memcpy bandwidth measured alongside (one large tensor copy), this machine's physical reference.
+The results record holds every measurement (metrics["sweep"]), alpha-beta fits (nanodist.costmodel)
+and the two ratios the chapter discusses, printed last.
+"""
+import argparse
+import math
+import re
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import nanodist
+from nanodist import collectives, costmodel
+from nanodist.results import Recorder
+
+# torch >= 2.13 renamed these two (same operation); use whichever this torch has, without warnings.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# op -> (collective, call(big, small)). `big` is the S-byte tensor, `small` one rank's S/n share.
+OPS = {
+    "dist.all_reduce": ("all_reduce", lambda big, small: dist.all_reduce(big)),
+    "ring_all_reduce": ("all_reduce", lambda big, small: collectives.ring_all_reduce(big)),
+    "naive_all_reduce": ("all_reduce", lambda big, small: collectives.naive_all_reduce(big)),
+    "recursive_doubling_all_reduce": ("all_reduce", lambda big, small: collectives.recursive_doubling_all_reduce(big)),
+    "dist.reduce_scatter_tensor": ("reduce_scatter", lambda big, small: _reduce_scatter(small, big)),
+    "ring_reduce_scatter": ("reduce_scatter", lambda big, small: collectives.ring_reduce_scatter(small, big)),
+    "dist.all_gather_into_tensor": ("all_gather", lambda big, small: _all_gather(big, small)),
+    "ring_all_gather": ("all_gather", lambda big, small: collectives.ring_all_gather(big, small)),
+}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+RATIO_SIZE = 32 * 2**20  # the size the two benchmark ratios are read at (or the nearest one swept)
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: the fraction of S that crosses each rank's link, per the optimal algorithm."""
+    return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
+def parse_bytes(text: str) -> int:
+    """'4096', '4K', '64M', '1G', '32MB' -> bytes (powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)I?B?\s*", text.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 4096, 4K, 64M or 1G")
+    return int(m.group(1)) * 1024 ** " KMG".index(m.group(2) or " ")
+
+
+def parse_ops(text: str) -> list[str]:
+    ops = [o.strip() for o in text.split(",") if o.strip()]
+    unknown = [o for o in ops if o not in OPS]
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(f"unknown op(s) {unknown or text!r}: choose from {', '.join(OPS)}")
+    return ops
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("4K"), help="smallest message (default 4K)")
+    p.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64M"), help="largest message (default 64M)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per op and size (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (connections, caches, buffers)")
+    p.add_argument("--ops", type=parse_ops, default=list(OPS), help=f"comma-separated, from: {', '.join(OPS)}")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not 1 <= args.min_bytes <= args.max_bytes:
+        p.error(f"need 1 <= --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}")
+    if args.repeats < 1 or args.warmup < 0:
+        p.error(f"need --repeats >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    return args
+
+
+def sizes(lo: int, hi: int) -> list[int]:
+    """Powers of two from lo to hi (both rounded to the power of two at or below them)."""
+    return [2**k for k in range(int(math.log2(lo)), int(math.log2(hi)) + 1)]
+
+
+def timed(fns: dict, repeats: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
+    """Per-repeat wall time of each fn, each the max over ranks (a collective is as slow as its slowest rank).
+
+    The fns take turns within every repeat, so a burst of background load (other programs on a laptop)
+    slows them all alike instead of skewing the comparison against whichever ran at that moment.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            dist.barrier()  # start together, so one rank's lateness is not billed to the collective
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    t = torch.tensor(list(times.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(times, t.tolist()))
+
+
+def main():
+    args = get_args()
+    info = nanodist.init(seed=args.seed)
+    n, dev, dtype = info.world_size, info.device, DTYPES[args.dtype]
+    rec = Recorder("lab02_allreduce", config=vars(args))
+    elem = torch.empty(0, dtype=dtype).element_size()
+    swept = sizes(args.min_bytes, args.max_bytes)
+    bar = tqdm(total=len(swept), desc="lab02", unit="size", disable=not (info.is_main and sys.stderr.isatty()))
+
+    rows, step = [], 0
+    for size in swept:
+        numel = max(n, size // elem // n * n)  # a multiple of n, so reduce-scatter and all-gather can split it
+        nbytes = numel * elem
+        big = torch.randn(numel, device=dev).to(dtype)  # shared by every op at this size
+        small = torch.randn(numel // n, device=dev).to(dtype)
+        calls = {op: (lambda call=OPS[op][1]: call(big, small)) for op in args.ops}
+        for op, times in timed(calls, args.repeats, args.warmup, dev).items():
+            collective, t = OPS[op][0], statistics.median(times)
+            algbw = nbytes / t / 1e9
+            rows.append({"op": op, "collective": collective, "algorithm": costmodel.ALIASES.get(op, op),
+                         "size_bytes": nbytes, "numel": numel, "dtype": args.dtype, "time_s": t,
+                         "time_min_s": min(times), "algbw_GBps": algbw,
+                         "busbw_GBps": algbw * busbw_factor(collective, n), "repeats": len(times)})
+            for i, ti in enumerate(times):
+                rec.step(step=step, time_s=ti, op=op, size_bytes=nbytes, repeat=i)
+                step += 1
+        bar.update()
+    bar.close()
+    del big, small
+    collectives.free_buffers()
+
+    # The physical reference: how fast this device copies memory (bytes copied per second).
+    src = torch.randn(max(1, args.max_bytes // elem), device=dev).to(dtype)
+    dst = torch.empty_like(src)
+    copy_t = statistics.median(timed({"memcpy": lambda: dst.copy_(src)}, args.repeats, args.warmup, dev)["memcpy"])
+    memcpy = {"size_bytes": src.numel() * elem, "time_s": copy_t, "GBps": src.numel() * elem / copy_t / 1e9}
+    rec.metrics.update(sweep=rows, memcpy=memcpy, memcpy_GBps=memcpy["GBps"])
+
+    if n > 1:
+        fits = costmodel.fit_results({"metrics": {"sweep": rows}, "world_size": n, "backend": info.backend,
+                                      "device": dev.type})
+        rec.metrics["fits"] = {op: {"algorithm": m.algorithm, "alpha_s": m.alpha_s,
+                                    "beta_s_per_byte": m.beta_s_per_byte, "bandwidth_GBps": m.bandwidth_GBps,
+                                    "rel_rmse": m.rel_rmse} for op, m in fits.items()}
+    report(rows, rec.metrics, n, info)
+    rec.save()
+    nanodist.shutdown()
+
+
+def _size_label(size: int) -> str:
+    return f"{size / 2**20:.3g}M" if size >= 2**20 else f"{size / 2**10:.3g}K" if size >= 2**10 else f"{size}"
+
+
+def _at(rows, op, size):
+    return next((r for r in rows if r["op"] == op and r["size_bytes"] == size), None)
+
+
+def report(rows, metrics, n, info):
+    """Print a busbw table, the fits, and the two benchmark ratios (also stored in metrics)."""
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    swept = sorted({r["size_bytes"] for r in rows})
+    near = min(swept, key=lambda s: abs(math.log2(s / RATIO_SIZE)))
+    label = _size_label(near) + "B"
+    ratios = {}
+    pairs = {"ratio_ring_all_reduce_busbw": ("ring_all_reduce", "dist.all_reduce"),
+             "ratio_ring_reduce_scatter_time": ("ring_reduce_scatter", "dist.reduce_scatter_tensor")}
+    for key, (ours, theirs) in pairs.items():
+        a, b = _at(rows, ours, near), _at(rows, theirs, near)
+        if a and b:  # busbw ratio = inverse time ratio (same bytes); computed from times so n=1 works too
+            ratios[key] = b["time_s"] / a["time_s"] if key.endswith("busbw") else a["time_s"] / b["time_s"]
+    metrics.update(ratios, ratio_size_bytes=near)
+    if not info.is_main:
+        return
+    print(f"{n} ranks, {info.backend} on {info.device.type}: busbw in GB/s (median of {rows[0]['repeats']} calls); "
+          f"memcpy {metrics['memcpy_GBps']:.2f} GB/s")
+    width = max(len(o) for o in ops)
+    print(f"{'op':<{width}}" + "".join(f"{_size_label(s):>8}" for s in swept))
+    for op in ops:
+        print(f"{op:<{width}}" + "".join(f"{_at(rows, op, s)['busbw_GBps']:>8.3f}" for s in swept))
+    for op, f in metrics.get("fits", {}).items():
+        print(f"fit {op:<{width}} alpha {f['alpha_s'] * 1e6:8.1f} us   bandwidth {f['bandwidth_GBps']:7.2f} GB/s   "
+              f"rel. error {f['rel_rmse']:.2f}")
+    if "ratio_ring_all_reduce_busbw" in ratios:
+        print(f"ratio ring_all_reduce/dist.all_reduce busbw @{label}: {ratios['ratio_ring_all_reduce_busbw']:.2f} "
+              f"(target >= 0.90)")
+    if "ratio_ring_reduce_scatter_time" in ratios:
+        print(f"ratio ring_reduce_scatter/dist.reduce_scatter_tensor time @{label}: "
+              f"{ratios['ratio_ring_reduce_scatter_time']:.2f} (target <= 0.60)")
+
+
+if __name__ == "__main__":
+    main()

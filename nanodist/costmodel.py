@@ -1,0 +1,205 @@
+"""The alpha-beta cost model: how long a collective takes, from two numbers per machine.
+
+    t = alpha * steps + beta * bytes
+
+- alpha (s): the fixed cost of one step -- software overhead plus wire latency, paid however small the message;
+- beta (s/byte): the time per byte through one rank's link, i.e. 1 / bandwidth;
+- steps, bytes: what the algorithm does for a message of S bytes on N ranks (`cost()`). `bytes` counts
+  what the busiest rank pushes through its link; a send and a receive that overlap count once.
+
+    algorithm                        steps              bytes
+    ring_all_reduce                  2(N-1)             2(N-1)/N * S
+    ring_reduce_scatter              N-1                (N-1)/N * S     (S = the input, N outputs)
+    ring_all_gather                  N-1                (N-1)/N * S     (S = the output)
+    naive_all_reduce                 2(N-1)             2(N-1) * S      (all through rank 0)
+    recursive_doubling_all_reduce    log2 P (+2)        steps * S       (P = largest power of two <= N;
+                                                                         +2 fold steps when N != P)
+
+Fit alpha and beta to measured times (`fit`, or `fit_results` on a lab02 record), then predict other
+sizes and world sizes (`predict`), or where one algorithm overtakes another (`crossover_size`).
+torch's own collectives are fitted with the ring's counts (`dist.all_reduce` -> ring_all_reduce...):
+the bandwidth-optimal counts, so their beta reads as the link speed they achieve (the same convention
+as nccl-tests' bus bandwidth). An implementation that does more work shows up as a slower link: gloo
+runs reduce_scatter_tensor as a whole all-reduce, and its fitted bandwidth comes out well below the ring's.
+Later chapters use the model to project, e.g., DDP's gradient all-reduce:
+
+    model = fit_results(record)["dist.all_reduce"]
+    model.predict(4 * n_params, world_size=64)             # seconds per step spent in all-reduce
+    CostModel.from_link("ring_all_reduce", latency_s=5e-6, bandwidth_GBps=100)   # a datasheet link
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _recursive_doubling(size: float, n: int) -> tuple[int, float]:
+    pow2 = 1 << (n.bit_length() - 1)  # ranks beyond the largest power of two fold in first, unfold last
+    steps = (pow2.bit_length() - 1) + (2 if n != pow2 else 0)
+    return steps, steps * size
+
+
+# algorithm -> (size_bytes, world_size) -> (steps, bytes through the busiest rank's link)
+ALGORITHMS = {
+    "ring_all_reduce": lambda s, n: (2 * (n - 1), 2 * (n - 1) / n * s),
+    "ring_reduce_scatter": lambda s, n: (n - 1, (n - 1) / n * s),
+    "ring_all_gather": lambda s, n: (n - 1, (n - 1) / n * s),
+    "naive_all_reduce": lambda s, n: (2 * (n - 1), 2 * (n - 1) * s),
+    "recursive_doubling_all_reduce": _recursive_doubling,
+}
+# torch's collectives (and short names) counted as the bandwidth-optimal algorithm for that collective.
+ALIASES = {
+    "dist.all_reduce": "ring_all_reduce", "all_reduce": "ring_all_reduce",
+    "dist.reduce_scatter_tensor": "ring_reduce_scatter", "dist.reduce_scatter_single": "ring_reduce_scatter",
+    "reduce_scatter": "ring_reduce_scatter",
+    "dist.all_gather_into_tensor": "ring_all_gather", "dist.all_gather_single": "ring_all_gather",
+    "all_gather": "ring_all_gather",
+    "naive": "naive_all_reduce", "recursive_doubling": "recursive_doubling_all_reduce",
+}
+
+
+def _canonical(algorithm: str) -> str:
+    name = ALIASES.get(algorithm, algorithm)
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}: use one of {', '.join(list(ALGORITHMS) + list(ALIASES))}")
+    return name
+
+
+def cost(algorithm: str, size_bytes: float, world_size: int) -> tuple[float, float]:
+    """(steps, bytes through the busiest rank's link) for one call of `algorithm` on `size_bytes` and N ranks."""
+    if not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes must be >= 0, got {size_bytes!r}")
+    steps, moved = ALGORITHMS[_canonical(algorithm)](size_bytes, int(world_size))
+    return float(steps), float(moved)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """alpha and beta for one algorithm on one machine; `predict` gives seconds for any size and world size."""
+
+    algorithm: str
+    alpha_s: float
+    beta_s_per_byte: float
+    backend: str = "unknown"
+    device: str = "unknown"
+    world_size: int | None = None  # the world size it was fitted at (None: several, or a hand-made model)
+    n_points: int = 0
+    rel_rmse: float | None = None  # root-mean-square relative error of the fit: 0.05 = within ~5 %
+
+    @property
+    def bandwidth_GBps(self) -> float:
+        """1 / beta, in GB/s (10^9 bytes per second): the link speed the fit sees."""
+        return math.inf if self.beta_s_per_byte == 0 else 1e-9 / self.beta_s_per_byte
+
+    def predict(self, size_bytes, world_size: int | None = None):
+        """Predicted seconds for one call (a float, or an array for an array of sizes)."""
+        return predict(self, size_bytes, world_size)
+
+    @classmethod
+    def from_link(cls, algorithm: str, latency_s: float, bandwidth_GBps: float, **kw) -> "CostModel":
+        """A model from a datasheet: per-step latency and per-rank link bandwidth (GB/s)."""
+        return cls(_canonical(algorithm), float(latency_s), 1e-9 / float(bandwidth_GBps), **kw)
+
+
+def predict(model: CostModel, size_bytes, world_size: int | None = None):
+    """Seconds `model` predicts for a message of `size_bytes` (scalar or array) on `world_size` ranks.
+
+    world_size defaults to the one the model was fitted at. alpha and beta are properties of the links,
+    so predicting another world size is the point -- as long as the links stay the same kind.
+    """
+    n = world_size if world_size is not None else model.world_size
+    if n is None:
+        raise ValueError(f"predict: model for {model.algorithm} has no world size of its own: pass world_size=")
+    steps, per_byte = cost(model.algorithm, 1.0, n)  # bytes moved are linear in the size
+    sizes = np.asarray(size_bytes, dtype=float)
+    if np.any(sizes < 0):
+        raise ValueError("predict: sizes must be >= 0 bytes")
+    t = model.alpha_s * steps + model.beta_s_per_byte * per_byte * sizes
+    return float(t) if t.ndim == 0 else t
+
+
+def fit(sizes_bytes, times_s, algorithm: str, world_size, backend: str = "unknown",
+        device: str = "unknown") -> CostModel:
+    """Fit alpha and beta to measured (size, time) pairs of `algorithm` by least squares.
+
+    world_size is one int or one per measurement (fit across world sizes). The fit minimises the
+    *relative* error, so 4 KB messages (microseconds, where alpha shows) count as much as 64 MB ones
+    (where beta shows); alpha and beta are kept >= 0. Needs >= 2 measurements at >= 2 sizes.
+    """
+    name = _canonical(algorithm)
+    sizes = np.asarray(sizes_bytes, dtype=float).ravel()
+    times = np.asarray(times_s, dtype=float).ravel()
+    worlds = np.broadcast_to(np.asarray(world_size), sizes.shape) if np.ndim(world_size) == 0 else \
+        np.asarray(world_size).ravel()
+    if not (len(sizes) == len(times) == len(worlds)):
+        raise ValueError(f"fit: {len(sizes)} sizes, {len(times)} times and {len(worlds)} world sizes: "
+                         f"give one of each per measurement")
+    if len(sizes) < 2 or len(np.unique(sizes)) < 2:
+        raise ValueError(f"fit: {name} needs at least 2 measurements at different sizes to separate alpha from "
+                         f"beta, got {len(sizes)} (sizes {sorted(set(sizes.tolist()))}). Sweep more sizes.")
+    if not np.all(np.isfinite(times)) or np.any(times <= 0):
+        raise ValueError(f"fit: times must be positive seconds, got {times.tolist()}")
+    counts = np.array([cost(name, s, int(n)) for s, n in zip(sizes, worlds)])  # columns: steps, bytes
+    if not np.any(counts[:, 1] > 0):
+        raise ValueError(f"fit: {name} moves no bytes at world size {sorted(set(worlds.tolist()))}: "
+                         f"measure with at least 2 ranks")
+    # Divide every row by its time: least squares on relative errors instead of absolute ones.
+    a, y = counts / times[:, None], np.ones_like(times)
+    coef = np.linalg.lstsq(a, y, rcond=None)[0]
+    if np.any(coef < 0):  # a negative alpha or beta is noise, not physics: keep the term that fits better
+        candidates = []
+        for k in (0, 1):
+            col, only = a[:, k], np.zeros(2)
+            only[k] = max(float(col @ y / (col @ col)), 0.0) if col.any() else 0.0
+            candidates.append(only)
+        coef = min(candidates, key=lambda c: float(np.sum((a @ c - y) ** 2)))
+    rel = a @ coef - y
+    single = int(worlds[0]) if len(np.unique(worlds)) == 1 else None
+    return CostModel(name, float(coef[0]), float(coef[1]), backend=backend, device=device, world_size=single,
+                     n_points=len(sizes), rel_rmse=float(np.sqrt(np.mean(rel ** 2))))
+
+
+def crossover_size(model_a: CostModel, model_b: CostModel, world_size: int | None = None) -> float | None:
+    """The message size (bytes) at which model_a and model_b predict the same time, or None if they never do.
+
+    Typically a = ring, b = recursive doubling (or a tree): below the crossover the algorithm with fewer
+    steps wins, above it the one that moves fewer bytes. world_size defaults to model_a's.
+    """
+    n = world_size or model_a.world_size or model_b.world_size
+    if n is None:
+        raise ValueError("crossover_size: neither model has a world size of its own: pass world_size=")
+    steps_a, per_a = cost(model_a.algorithm, 1.0, n)
+    steps_b, per_b = cost(model_b.algorithm, 1.0, n)
+    dt_fixed = model_b.alpha_s * steps_b - model_a.alpha_s * steps_a
+    dt_per_byte = model_a.beta_s_per_byte * per_a - model_b.beta_s_per_byte * per_b
+    if dt_per_byte == 0:
+        return None
+    size = dt_fixed / dt_per_byte
+    return float(size) if size > 0 and math.isfinite(size) else None
+
+
+def fit_results(record: dict, ops=None, min_bytes: float = 0) -> dict[str, CostModel]:
+    """A CostModel per op measured by a lab02 results record (its metrics["sweep"] rows).
+
+    ops: which ops to fit (default: every op with >= 2 sizes); min_bytes: ignore smaller messages.
+    """
+    rows = record.get("metrics", {}).get("sweep")
+    if not rows:
+        raise ValueError(f"fit_results: record {record.get('run_id', '?')} of lab {record.get('lab', '?')} has no "
+                         f"metrics['sweep'] rows: give it a lab02_allreduce results record")
+    if record["world_size"] < 2:
+        raise ValueError(f"fit_results: run {record.get('run_id', '?')} had world size {record['world_size']}, "
+                         f"where collectives move nothing: rerun the lab with nproc >= 2")
+    wanted = list(dict.fromkeys(r["op"] for r in rows)) if ops is None else list(ops)
+    models = {}
+    for op in wanted:
+        pts = [(r["size_bytes"], r["time_s"]) for r in rows if r["op"] == op and r["size_bytes"] >= min_bytes]
+        if ops is None and len({s for s, _ in pts}) < 2:
+            continue
+        models[op] = fit([s for s, _ in pts], [t for _, t in pts], op, record["world_size"],
+                         backend=record.get("backend", "unknown"), device=record.get("device", "unknown"))
+    return models

@@ -1,0 +1,124 @@
+"""The alpha-beta model: step and byte counts, fits that recover known parameters, predictions, crossover."""
+import math
+
+import numpy as np
+import pytest
+
+from nanodist import costmodel as cm
+
+ALPHA, BETA = 50e-6, 1 / 2e9  # 50 us per step, 2 GB/s
+SIZES = [2**k for k in range(12, 27)]  # 4 KB .. 64 MB, like lab02
+
+
+def synthetic(algorithm, n, noise=0.0, seed=0, sizes=SIZES):
+    rng = np.random.default_rng(seed)
+    t = [ALPHA * cm.cost(algorithm, s, n)[0] + BETA * cm.cost(algorithm, s, n)[1] for s in sizes]
+    return np.array(t) * (1 + noise * rng.standard_normal(len(sizes)))
+
+
+def test_counts_match_the_textbook():
+    s = 1200.0
+    assert cm.cost("ring_all_reduce", s, 4) == (6, 2 * 3 / 4 * s)
+    assert cm.cost("ring_reduce_scatter", s, 4) == (3, 3 / 4 * s)
+    assert cm.cost("ring_all_gather", s, 3) == (2, 2 / 3 * s)
+    assert cm.cost("naive_all_reduce", s, 4) == (6, 6 * s)
+    assert cm.cost("recursive_doubling_all_reduce", s, 8) == (3, 3 * s)
+    assert cm.cost("recursive_doubling_all_reduce", s, 3) == (3, 3 * s)  # fold, 1 doubling, unfold
+    assert cm.cost("recursive_doubling_all_reduce", s, 6) == (4, 4 * s)
+    assert cm.cost("dist.all_reduce", s, 4) == cm.cost("ring_all_reduce", s, 4)
+    for algorithm in cm.ALGORITHMS:
+        assert cm.cost(algorithm, s, 1) == (0, 0)  # a world of one moves nothing
+    with pytest.raises(ValueError, match="unknown algorithm 'butterfly'"):
+        cm.cost("butterfly", s, 4)
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        cm.cost("ring_all_reduce", s, 0)
+
+
+@pytest.mark.parametrize("algorithm,n", [("ring_all_reduce", 2), ("ring_all_reduce", 8), ("naive_all_reduce", 4),
+                                         ("recursive_doubling_all_reduce", 3), ("ring_reduce_scatter", 4)])
+def test_fit_recovers_alpha_and_beta(algorithm, n):
+    model = cm.fit(SIZES, synthetic(algorithm, n, noise=0.03), algorithm, n, backend="gloo", device="cpu")
+    assert model.alpha_s == pytest.approx(ALPHA, rel=0.15)
+    assert model.beta_s_per_byte == pytest.approx(BETA, rel=0.05)
+    assert model.bandwidth_GBps == pytest.approx(2.0, rel=0.05)
+    assert (model.algorithm, model.world_size, model.backend, model.device, model.n_points) == \
+        (algorithm, n, "gloo", "cpu", len(SIZES))
+    assert 0 < model.rel_rmse < 0.1
+    exact = cm.fit(SIZES, synthetic(algorithm, n), algorithm, n)
+    assert exact.alpha_s == pytest.approx(ALPHA, rel=1e-6) and exact.beta_s_per_byte == pytest.approx(BETA, rel=1e-6)
+
+
+def test_fit_across_world_sizes_and_prediction():
+    sizes = SIZES * 3
+    worlds = [2] * len(SIZES) + [4] * len(SIZES) + [8] * len(SIZES)
+    times = np.concatenate([synthetic("ring_all_reduce", n) for n in (2, 4, 8)])
+    model = cm.fit(sizes, times, "ring_all_reduce", worlds)
+    assert model.world_size is None
+    assert model.alpha_s == pytest.approx(ALPHA, rel=1e-6)
+    # predict = alpha * 2(N-1) + beta * 2(N-1)/N * S, for a world size never measured
+    want = ALPHA * 2 * 63 + BETA * 2 * 63 / 64 * 1e8
+    assert cm.predict(model, 1e8, world_size=64) == pytest.approx(want)
+    assert model.predict(1e8, 64) == pytest.approx(want)
+    arr = model.predict(np.array([0, 1e8]), 64)
+    assert arr.shape == (2,) and arr[0] == pytest.approx(ALPHA * 126)
+    with pytest.raises(ValueError, match="pass world_size="):
+        model.predict(1e8)
+
+
+def test_from_link_and_crossover():
+    ring = cm.CostModel.from_link("ring_all_reduce", latency_s=ALPHA, bandwidth_GBps=2.0)
+    rd = cm.CostModel.from_link("recursive_doubling", latency_s=ALPHA, bandwidth_GBps=2.0)
+    assert rd.algorithm == "recursive_doubling_all_reduce" and ring.bandwidth_GBps == pytest.approx(2.0)
+    n = 8
+    s = cm.crossover_size(ring, rd, world_size=n)
+    # ring: 14 alpha + 1.75 beta S; recursive doubling: 3 alpha + 3 beta S  =>  S = 11 alpha / (1.25 beta)
+    assert s == pytest.approx(11 * ALPHA / (1.25 * BETA))
+    assert ring.predict(s, n) == pytest.approx(rd.predict(s, n))
+    assert ring.predict(s / 2, n) > rd.predict(s / 2, n) and ring.predict(2 * s, n) < rd.predict(2 * s, n)
+    # the same algorithm on a faster link never crosses over
+    fast = cm.CostModel.from_link("ring_all_reduce", latency_s=ALPHA / 2, bandwidth_GBps=4.0)
+    assert cm.crossover_size(ring, fast, n) is None
+    with pytest.raises(ValueError, match="pass world_size="):
+        cm.crossover_size(ring, rd)
+
+
+def test_fit_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="at least 2 measurements at different sizes"):
+        cm.fit([4096], [1e-4], "ring_all_reduce", 2)
+    with pytest.raises(ValueError, match="at least 2 measurements at different sizes"):
+        cm.fit([4096, 4096, 4096], [1e-4, 1.1e-4, 0.9e-4], "ring_all_reduce", 2)
+    with pytest.raises(ValueError, match="3 sizes, 2 times"):
+        cm.fit([1, 2, 3], [1e-4, 2e-4], "ring_all_reduce", 2)
+    with pytest.raises(ValueError, match="moves no bytes"):
+        cm.fit([1, 2], [1e-4, 2e-4], "ring_all_reduce", 1)
+    with pytest.raises(ValueError, match="positive seconds"):
+        cm.fit([1, 2], [1e-4, 0.0], "ring_all_reduce", 2)
+
+
+def test_fit_keeps_alpha_and_beta_non_negative():
+    # pure bandwidth with noise that would push the intercept below zero
+    times = np.array([BETA * s for s in SIZES]) * (1 + 0.02 * np.sin(np.arange(len(SIZES))))
+    times[:3] *= 0.5
+    model = cm.fit(SIZES, times, "ring_reduce_scatter", 2)
+    assert model.alpha_s >= 0 and model.beta_s_per_byte > 0
+    assert math.isfinite(model.bandwidth_GBps)
+
+
+def test_fit_results_reads_a_lab02_record():
+    rows = [{"op": op, "size_bytes": s, "time_s": float(t)}
+            for op, alg in (("dist.all_reduce", "ring_all_reduce"), ("ring_reduce_scatter", "ring_reduce_scatter"))
+            for s, t in zip(SIZES, synthetic(alg, 2))]
+    rows.append({"op": "naive_all_reduce", "size_bytes": 4096, "time_s": 1e-3})  # one size: skipped, not fitted
+    record = {"lab": "lab02_allreduce", "run_id": "x", "world_size": 2, "backend": "gloo", "device": "cpu",
+              "metrics": {"sweep": rows}}
+    models = cm.fit_results(record)
+    assert set(models) == {"dist.all_reduce", "ring_reduce_scatter"}
+    assert models["dist.all_reduce"].algorithm == "ring_all_reduce"
+    assert models["dist.all_reduce"].beta_s_per_byte == pytest.approx(BETA, rel=1e-6)
+    assert models["ring_reduce_scatter"].world_size == 2 and models["ring_reduce_scatter"].backend == "gloo"
+    big_only = cm.fit_results(record, ops=["dist.all_reduce"], min_bytes=2**20)
+    assert big_only["dist.all_reduce"].n_points == len([s for s in SIZES if s >= 2**20])
+    with pytest.raises(ValueError, match="no metrics\\['sweep'\\] rows"):
+        cm.fit_results({"lab": "lab03_ddp", "run_id": "y", "world_size": 2, "metrics": {}})
+    with pytest.raises(ValueError, match="nproc >= 2"):
+        cm.fit_results({**record, "world_size": 1})
