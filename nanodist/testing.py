@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback as tb
@@ -40,7 +41,9 @@ def _worker(fn, rank, world_size, port, backend, args, kwargs, results, timeout)
     try:
         runtime.init(backend=backend, timeout=timeout)
         value = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, value))
+        # Plain pickle copies tensors by value; the queue's own pickler would send shared-memory handles
+        # that die with this process before the parent reads them.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, tb.format_exc()))
         results.close()
@@ -81,7 +84,7 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None =
                 continue
             if not ok:
                 raise WorkerError(rank, value)
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:

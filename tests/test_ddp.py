@@ -160,3 +160,4 @@ def test_timeline_records_every_bucket_of_every_step():
     assert [t["bucket"] for t in timeline] == list(range(n)) * 2
     for t in timeline:
         assert 0 <= t["launch_s"] <= t["done_s"] <= t["backward_end_s"] + 1e-3
+
