@@ -70,7 +70,7 @@ def total_batch(args, world_size: int) -> int:
     return args.micro_batch * args.seq_len * ranks
 
 
-def make_trainer(impl: str, args, info, tokens, vocab: int, record_timeline=False):
+def make_trainer(impl: str, args, info, tokens, vocab: int, record_timeline=False, progress=True):
     """A Trainer for `impl`, starting from the seeded initial weights (identical for every impl and rank)."""
     world = 1 if impl == "single" else info.world_size
     run_info = dataclasses.replace(info, rank=0 if impl == "single" else info.rank, world_size=world,
@@ -91,7 +91,7 @@ def make_trainer(impl: str, args, info, tokens, vocab: int, record_timeline=Fals
                                             rank=run_info.rank, world_size=world, seed=seed, device=info.device)
     cfg = TrainConfig(steps=args.steps, total_batch_tokens=total_batch(args, world), micro_batch=args.micro_batch,
                       seq_len=args.seq_len, lr=args.lr, warmup_steps=5, dtype=args.dtype, eval_batches=2,
-                      log_every=0, progress=not args.no_progress, wandb=args.wandb,
+                      log_every=0, progress=progress and not args.no_progress, wandb=args.wandb,
                       run_name=f"lab03-{impl}-{world}ranks")
     return Trainer(model, optimizer, stream(train_tokens, args.seed), cfg,
                    val_data=stream(val_tokens, args.seed + 1), info=run_info)
@@ -120,10 +120,20 @@ def summarize(impl: str, trainer) -> dict:
 def train_interleaved(impls, args, info, tokens, vocab: int) -> dict:
     """Train every impl, alternating blocks of steps between them, so that a drift in the machine's load
     (another program, frequency scaling) hits every implementation alike: a fair comparison in one run."""
-    trainers = {impl: make_trainer(impl, args, info, tokens, vocab, record_timeline=args.timeline) for impl in impls}
+    trainers = {impl: make_trainer(impl, args, info, tokens, vocab, record_timeline=args.timeline, progress=False)
+                for impl in impls}
+    bar = None
+    if info.is_main and not args.no_progress:  # one bar for all implementations
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(impls) * args.steps, desc=" + ".join(impls), leave=False)
     while any(t.step < args.steps for t in trainers.values()):
         for t in trainers.values():
+            before = t.step
             t.fit(max_steps=BLOCK_STEPS)
+            if bar is not None:
+                bar.update(t.step - before)
+    if bar is not None:
+        bar.close()
     return {impl: summarize(impl, t) for impl, t in trainers.items()}
 
 

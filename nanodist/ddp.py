@@ -67,6 +67,10 @@ class _SyncBase(nn.Module):
         self.require_sync = True
         self._callback_queued = False
         self.trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True]
+        if sparse:
+            raise ValueError(f"{type(self).__name__} does not support sparse gradients, and {', '.join(sparse)} "
+                             f"produce them (nn.Embedding(sparse=True)): use sparse=False")
         self._check_same_structure()
         self.mismatched_at_wrap = self._broadcast_from_rank0()
 
@@ -204,9 +208,6 @@ class DDP(_SyncBase):
     def _grad_ready(self, p: nn.Parameter) -> None:
         if not self.require_sync:
             return  # no_sync: the gradient just accumulates in p.grad
-        if p.grad.is_sparse:
-            raise RuntimeError("nanodist.DDP does not support sparse gradients (nn.Embedding(sparse=True)): "
-                               "use a dense embedding")
         if self._backward_start is None:
             self._backward_start = time.perf_counter()
             self._queue_end_of_backward()

@@ -130,6 +130,10 @@ def errors_worker(rank, world):
         nd.DDP(other)
     except ValueError as e:
         found["structure_error"] = str(e)
+    try:
+        nd.DDP(nn.Sequential(nn.Embedding(10, 4, sparse=True)))
+    except ValueError as e:
+        found["sparse_error"] = str(e)
     return found
 
 
@@ -141,6 +145,7 @@ def test_errors_are_clear_and_disagreeing_ranks_are_reported():
         assert "find_unused_parameters=True" in found["unused_error"]
         assert "ranks wrap different models" in found["structure_error"]
         assert "rank 0 has ('weight', (4, 4)" in found["structure_error"]
+        assert "sparse gradients, and 0 produce them" in found["sparse_error"]
 
 
 def timeline_worker(rank, world):
