@@ -209,6 +209,8 @@ class Trainer:
             # Under DDP the gradients are already averaged, so every rank clips by the same global norm.
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip).item()
         self.optimizer.step()
+        if grad_norm is None and getattr(self.optimizer, "last_grad_norm", None) is not None:
+            grad_norm = float(self.optimizer.last_grad_norm)  # a sharded optimizer clipped, and measured the norm
         self.optimizer.zero_grad(set_to_none=True)
         self._sync_device()
         dt = time.perf_counter() - t0

@@ -1,0 +1,192 @@
+"""Lab 4 — ZeRO: DDP + AdamW against DistAdamW (sharded AdamW) and DistMuon, step time, loss and memory per rank.
+
+    torchrun --nproc_per_node=2 labs/lab04_zero.py                    # all three, taking turns step by step
+    torchrun --nproc_per_node=2 labs/lab04_zero.py --opt dist-adamw --zero-stage 1
+    python labs/lab04_zero.py --opt dist-muon                         # a world of one works too
+
+Every optimizer trains the same GPT from the same initial weights on the same data; with --opt all
+they take turns, one step each, so that load from elsewhere on the machine slows them alike:
+  ddp-adamw   nanodist.DDP + torch.optim.AdamW: gradients all-reduced in backward, state replicated (stage 0)
+  dist-adamw  bare model + DistAdamW: reduce-scatter, update this rank's slice, all-gather (stage 2)
+  dist-muon   bare model + DistMuon for hidden matrices, DistAdamW for the rest (make_muon_optimizer)
+
+After training, each one takes one more step and measures, on every rank, the bytes of parameters,
+gradients and optimizer state (nanodist.memory.measure_memory, right after optimizer.step()). The lab
+prints step time, loss and memory for each, the two ratios between DistAdamW and DDP + AdamW measured
+in this run, and writes everything to labs/results/lab04_zero/.
+"""
+import argparse
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import nanodist as nd
+from nanodist.data import CharTokenizer, TokenStream, load_corpus, train_val_split
+from nanodist.memory import measure_memory, zero_memory_bytes
+from nanodist.model import GPT, GPTConfig
+from nanodist.optim import DistAdamW, make_muon_optimizer
+from nanodist.results import Recorder
+from nanodist.train import TrainConfig, Trainer, grad_accum_steps
+
+OPTS = ("ddp-adamw", "dist-adamw", "dist-muon")
+WARMUP_STEPS = 3  # excluded from step times: the first steps pay for allocations and thread start-up
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--opt", choices=OPTS + ("all",), default="all", help="which optimizer to train (all: each in turn)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per optimizer")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--total-batch", type=int, default=None,
+                   help="tokens per optimizer step (default: micro-batch x seq-len x ranks, no accumulation)")
+    p.add_argument("--model", choices=["tiny", "small"], default="small", help="a nanodist.model preset")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="Muon learning rate (hidden matrices)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--zero-stage", type=int, choices=[1, 2], default=2, help="for DistAdamW and DistMuon")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP and ZeRO bucket size")
+    p.add_argument("--collectives", choices=["auto", "ring", "torch"], default="auto",
+                   help="ZeRO's reduce-scatter/all-gather: auto = nanodist's ring on gloo, torch's on nccl")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--data", default=None, help="a text file to train on (default: the built-in corpus)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    args = p.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps must be more than {WARMUP_STEPS} (the first {WARMUP_STEPS} are warm-up, not timed)")
+    return p, args
+
+
+def build(opt: str, args, info, vocab: int):
+    """The model (wrapped or not) and its optimizer, from the seeded initial weights."""
+    torch.manual_seed(args.seed)  # identical initial weights for every optimizer, on every rank
+    raw = GPT(GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)).to(info.device)
+    zero = dict(zero_stage=args.zero_stage, bucket_cap_mb=args.bucket_mb, collectives=args.collectives)
+    if opt == "ddp-adamw":
+        model = nd.DDP(raw, bucket_cap_mb=args.bucket_mb) if dist.is_initialized() else raw
+        optimizer = torch.optim.AdamW(raw.configure_param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    elif opt == "dist-adamw":
+        model = raw  # no DDP: DistAdamW averages the gradients itself
+        optimizer = DistAdamW(raw.configure_param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95), **zero)
+    else:
+        model = raw
+        optimizer = make_muon_optimizer(raw, lr=args.lr, muon_lr=args.muon_lr, weight_decay=args.weight_decay,
+                                        betas=(0.9, 0.95), **zero)
+    return raw, model, optimizer
+
+
+def measure_step(model, optimizer, stream, dtype: str, device) -> dict:
+    """One more step, measured right after optimizer.step(): parameters, gradients and state all alive."""
+    from nanodist.train import autocast
+    x, y = next(stream)
+    with autocast(dtype, device):
+        _, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    report = measure_memory(model, optimizer).to_dict()
+    optimizer.zero_grad(set_to_none=True)
+    return report
+
+
+def make_trainer(opt: str, args, info, tokens, vocab: int) -> dict:
+    """A Trainer for `opt` from the seeded initial weights, and what measuring its memory needs."""
+    raw, model, optimizer = build(opt, args, info, vocab)
+    train_tokens, val_tokens = train_val_split(tokens)
+    stream = lambda toks, seed: TokenStream(toks, batch_size=args.micro_batch, block_size=args.seq_len,  # noqa: E731
+                                            rank=info.rank, world_size=info.world_size, seed=seed, device=info.device)
+    cfg = TrainConfig(steps=args.steps, total_batch_tokens=args.total_batch, micro_batch=args.micro_batch,
+                      seq_len=args.seq_len, lr=args.lr, warmup_steps=5, dtype=args.dtype, eval_batches=2,
+                      log_every=0, progress=False, run_name=f"lab04-{opt}")
+    train = stream(train_tokens, args.seed)
+    trainer = Trainer(model, optimizer, train, cfg, val_data=stream(val_tokens, args.seed + 1), info=info)
+    return {"opt": opt, "raw": raw, "trainer": trainer, "train": train}
+
+
+def train_all(opts: list[str], args, info, tokens, vocab: int) -> dict:
+    """Train every optimizer for args.steps steps, taking turns one step at a time.
+
+    Taking turns means a burst of load from elsewhere on the machine slows all of them alike, so the
+    step-time ratios measured in one run stay meaningful on a shared computer. Each run is still its
+    own: own model, optimizer and data stream, the same trajectory as if it trained alone.
+    """
+    runs = [make_trainer(opt, args, info, tokens, vocab) for opt in opts]
+    bar = None
+    if not args.no_progress and info.is_main:  # one bar for all optimizers
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(opts) * args.steps, desc=" + ".join(opts), leave=False)
+    for _ in range(args.steps):
+        for r in runs:
+            r["trainer"].fit(max_steps=1)  # the last call also evaluates
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    results = {}
+    for r in runs:
+        trainer, history = r["trainer"], r["trainer"].history
+        memory = measure_step(trainer.model, trainer.optimizer, r["train"], args.dtype, info.device)
+        per_rank = [memory]
+        if info.world_size > 1:
+            per_rank = [None] * info.world_size
+            dist.all_gather_object(per_rank, memory)
+        step_s = statistics.median(h["time_s"] for h in history[WARMUP_STEPS:])
+        results[r["opt"]] = {
+            "opt": r["opt"], "world_size": info.world_size, "params": r["raw"].num_params(),
+            "median_step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
+            "losses": [round(h["loss"], 5) for h in history],
+            "val_loss": history[-1].get("val_loss"),
+            "memory": per_rank,  # one MemoryReport dict per rank
+            "history": history,
+        }
+    return results
+
+
+def main():
+    parser, args = parse_args()
+    info = nd.init(seed=args.seed)
+    try:
+        grad_accum_steps(args.total_batch, args.micro_batch, args.seq_len, info.world_size)
+    except ValueError as e:
+        parser.error(str(e))
+    text = load_corpus(args.data)
+    tok = CharTokenizer(text)
+    tokens = torch.tensor(tok.encode(text), dtype=torch.int64)
+    opts = list(OPTS) if args.opt == "all" else [args.opt]
+
+    rec = Recorder("lab04_zero", config=vars(args), info=info)
+    nd.print0(f"== {', '.join(opts)}: {info.world_size} rank(s), {args.model} model, {args.steps} steps each, "
+              f"taking turns step by step")
+    results = train_all(opts, args, info, tokens, tok.vocab_size)
+
+    mb = lambda b: b / 2**20  # noqa: E731
+    for name, r in results.items():
+        worst = max(r["memory"], key=lambda m: m["total"])
+        nd.print0(f"{name:>10}: step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> "
+                  f"{r['losses'][-1]:.3f}  per rank (max): params {mb(worst['params']):.2f} MiB  grads "
+                  f"{mb(worst['grads']):.2f} MiB  optimizer state {mb(worst['optimizer_state']):.2f} MiB")
+    main_opt = "dist-adamw" if "dist-adamw" in results else opts[0]
+    for h in results[main_opt]["history"]:
+        rec.step(**h)
+    metrics = {"opts": {k: {kk: vv for kk, vv in v.items() if kk != "history"} for k, v in results.items()},
+               "main_opt": main_opt}
+    n = next(iter(results.values()))["params"]
+    metrics["formula_fp32_adamw"] = {f"stage{s}": zero_memory_bytes(n, info.world_size, s, 4, 4, 8) for s in range(4)}
+    if "ddp-adamw" in results and "dist-adamw" in results:
+        ddp, zero = results["ddp-adamw"], results["dist-adamw"]
+        metrics["ratio_step_time_dist_adamw_vs_ddp_adamw"] = zero["median_step_s"] / ddp["median_step_s"]
+        state = lambda r: max(m["optimizer_state"] for m in r["memory"])  # noqa: E731  (the worst rank)
+        metrics["ratio_optimizer_state_dist_adamw_vs_adamw"] = state(zero) / state(ddp)
+        nd.print0(f"ratio DistAdamW/DDP+AdamW step time: {metrics['ratio_step_time_dist_adamw_vs_ddp_adamw']:.2f} "
+                  f"(target <= 1.10)")
+        nd.print0(f"ratio optimizer-state bytes per rank DistAdamW/AdamW: "
+                  f"{metrics['ratio_optimizer_state_dist_adamw_vs_adamw']:.2f} (target <= 0.52)")
+    rec.metrics.update(metrics)
+    path = rec.save()
+    nd.print0(f"wrote {path}")
+    nd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Per-rank memory of training: the ZeRO paper's formulas, and the same numbers measured on real tensors.
+
+    report = measure_memory(model, optimizer)        # after optimizer.step(), before zero_grad()
+    report.params, report.grads, report.optimizer_state     # bytes on this rank
+    zero_memory_bytes(num_params, world_size=8, stage=2)     # the formula: what ZeRO promises
+    memory_table(runs)                                        # formula next to measurement, as a Table
+
+The formulas (Rajbhandari et al., "ZeRO", 2019). Training a model of Psi parameters with Adam in mixed
+precision holds, on every data-parallel rank, 2 Psi bytes of fp16/bf16 parameters, 2 Psi of gradients
+and K Psi of optimizer state, K = 12: an fp32 master copy of the parameters (4) and Adam's two
+moments (4 + 4). ZeRO partitions them over the N ranks, one more term per stage:
+
+    stage 0 (DDP):              2 Psi + 2 Psi + K Psi        everything replicated
+    stage 1 (optimizer states): 2 Psi + 2 Psi + K Psi / N    DistAdamW(zero_stage=1)
+    stage 2 (+ gradients):      2 Psi + 2 Psi / N + K Psi / N    DistAdamW(zero_stage=2), the default
+    stage 3 (+ parameters):     (2 + 2 + K) Psi / N          the FSDP chapter (formula only here)
+
+The byte counts are arguments, so the same function covers other precisions and optimizers
+(`optimizer_bytes_per_param`): fp32 training without master weights is param_bytes=4, grad_bytes=4
+and 8 bytes of AdamW state (exp_avg, exp_avg_sq) or 4 of Muon's (momentum).
+
+How DistAdamW relates. At both stages each rank keeps exp_avg / exp_avg_sq for its 1/N slice of
+every parameter only. At stage 1 the gradients are all-reduced: after step() every p.grad holds the
+full averaged gradient, as under DDP. At stage 2 they are reduce-scattered: each rank receives, and
+keeps (in a buffer reused every step), only the averaged gradient of its slice; step() consumes the
+full local gradients (every p.grad is None afterwards) and the full averaged gradient never exists
+anywhere. Caveat: autograd still materialises each rank's full *local* gradient during backward;
+true ZeRO-2 reduce-scatters bucket by bucket as backward runs, freeing as it goes (FSDP does).
+
+Measuring. `measure_memory` walks the actual tensors: the model's parameters, their .grad, the
+gradient buffers the optimizer keeps (`optimizer.gradient_buffers()`, if it has one) and every tensor
+in optimizer.state. A storage shared by several tensors (a tied weight, DDP's gradient buckets that
+p.grad points into) counts once. Sharded parameters (DTensor, as FSDP2 makes) count their local shard
+(`.to_local()`). Call it right after optimizer.step() and before zero_grad(): then parameters,
+gradients and optimizer state are all alive, as at the peak of a step. On CUDA it also reports
+torch.cuda.max_memory_allocated, which includes activations and temporaries.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .results import Table
+
+STAGES = (0, 1, 2, 3)
+
+
+# ----------------------------------------------------------------------------- formulas
+
+def optimizer_bytes_per_param(optimizer: str = "adamw", state_bytes: int = 4, master_bytes: int = 0) -> int:
+    """Bytes of optimizer state per parameter: AdamW keeps 2 tensors (exp_avg, exp_avg_sq), Muon and SGD with
+    momentum 1, plain SGD 0; each of `state_bytes`; plus a master copy of `master_bytes` (4 for mixed precision).
+
+        optimizer_bytes_per_param("adamw", master_bytes=4) == 12    # the ZeRO paper's K
+        optimizer_bytes_per_param("adamw") == 8                      # fp32 AdamW, no master copy
+        optimizer_bytes_per_param("muon") == 4
+    """
+    per = {"adamw": 2, "adam": 2, "muon": 1, "sgd-momentum": 1, "sgd": 0}
+    if optimizer.lower() not in per:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(per)}")
+    return per[optimizer.lower()] * state_bytes + master_bytes
+
+
+def zero_memory_bytes(num_params: int, world_size: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
+                      optim_bytes_per_param: float = 12) -> dict:
+    """Bytes per rank of parameters, gradients and optimizer state at a ZeRO stage (0-3), and their total.
+
+    Defaults are the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 bytes per parameter. Stage s divides
+    the optimizer state (s >= 1), the gradients (s >= 2) and the parameters (s >= 3) by world_size.
+    Exact division, so a result may be fractional (an int when it is not): real shards round up and pad.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+    if world_size < 1 or num_params < 0:
+        raise ValueError(f"need world_size >= 1 and num_params >= 0, got {world_size} and {num_params}")
+    n = world_size
+    whole = lambda x: int(x) if float(x).is_integer() else x  # noqa: E731  (print bytes as integers when exact)
+    params = num_params * param_bytes / (n if stage >= 3 else 1)
+    grads = num_params * grad_bytes / (n if stage >= 2 else 1)
+    state = num_params * optim_bytes_per_param / (n if stage >= 1 else 1)
+    return {"params": whole(params), "grads": whole(grads), "optimizer_state": whole(state),
+            "total": whole(params + grads + state)}
+
+
+# ----------------------------------------------------------------------------- measurement
+
+def _local(t):
+    """The tensor this rank actually holds: a DTensor's local shard, otherwise the tensor itself."""
+    if t is None:
+        return None
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _tensors(obj):
+    """Every tensor inside nested dicts / lists / tuples (optimizer state entries)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def tensor_bytes(tensors, seen: set | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (a storage shared by several tensors counts once).
+
+    Meta tensors hold no memory and count 0. `seen` (a set) carries storages already counted elsewhere.
+    """
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        t = _local(t)
+        if t is None or t.device.type == "meta":
+            continue
+        key = _storage_key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+@dataclass
+class MemoryReport:
+    """Bytes this rank holds, by kind. `optimizer_state_by_key` splits the state (exp_avg, exp_avg_sq, step, ...);
+    `optimizer_state_scalars` is the part held by step counters (state key "step"), which formulas ignore."""
+
+    params: int
+    grads: int
+    optimizer_state: int
+    optimizer_state_by_key: dict = field(default_factory=dict)
+    optimizer_state_scalars: int = 0
+    cuda_max_allocated: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def measure_memory(model: torch.nn.Module, optimizer=None) -> MemoryReport:
+    """Bytes of parameters, gradients and optimizer state on this rank, from the live tensors (see the module doc).
+
+    Accepts a DDP-wrapped or a sharded model (DTensor parameters count their local shard). Gradients are the
+    parameters' .grad plus `optimizer.gradient_buffers()` (DistAdamW/DistMuon's averaged shards at stage 2).
+    """
+    seen: set = set()
+    params = list(model.parameters())
+    param_bytes = tensor_bytes(params, seen)
+    grads = [p.grad for p in params if p.grad is not None]
+    if optimizer is not None and hasattr(optimizer, "gradient_buffers"):
+        grads += list(optimizer.gradient_buffers())
+    grad_bytes = tensor_bytes(grads, seen)
+    by_key: dict[str, int] = {}
+    scalars = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                for t in _tensors(value):
+                    n = tensor_bytes([t], seen)
+                    by_key[key] = by_key.get(key, 0) + n
+                    if key == "step":
+                        scalars += n
+    cuda = None
+    devices = {p.device for p in params if p.device.type == "cuda"}
+    if devices:
+        cuda = max(torch.cuda.max_memory_allocated(d) for d in devices)
+    return MemoryReport(params=param_bytes, grads=grad_bytes, optimizer_state=sum(by_key.values()),
+                        optimizer_state_by_key=by_key, optimizer_state_scalars=scalars, cuda_max_allocated=cuda)
+
+
+def memory_table(runs: list[dict], param_bytes: float = 4, grad_bytes: float = 4,
+                 optim_bytes_per_param: float = 8) -> Table:
+    """Formula next to measurement, one row per (run, rank).
+
+    Each run is a dict with label, stage, world_size, num_params and the measured params / grads /
+    optimizer_state (a MemoryReport.to_dict() plus those keys will do; `rank` and
+    `optimizer_state_scalars` are shown when present). A run may override param_bytes / grad_bytes /
+    optim_bytes_per_param (e.g. 4 for Muon). The defaults are fp32 AdamW without master weights, where
+    the formula is exact up to the step counters (column `state_scalars`) and any padding of shards.
+    """
+    rows = Table()
+    for run in runs:
+        f = zero_memory_bytes(run["num_params"], run["world_size"], run["stage"],
+                              param_bytes=run.get("param_bytes", param_bytes),
+                              grad_bytes=run.get("grad_bytes", grad_bytes),
+                              optim_bytes_per_param=run.get("optim_bytes_per_param", optim_bytes_per_param))
+        row = {"label": run.get("label", f"stage {run['stage']}"), "stage": run["stage"],
+               "world_size": run["world_size"], "rank": run.get("rank", 0)}
+        for kind in ("params", "grads", "optimizer_state"):
+            row[f"{kind}_formula"] = f[kind]
+            row[f"{kind}_measured"] = run[kind]
+        row["state_scalars"] = run.get("optimizer_state_scalars", 0)
+        row["total_formula"] = f["total"]
+        row["total_measured"] = run["params"] + run["grads"] + run["optimizer_state"]
+        rows.append(row)
+    return rows

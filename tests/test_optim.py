@@ -1,0 +1,521 @@
+"""Sharded optimizers (ZeRO): DistAdamW and DistMuon equal torch's AdamW and Muon fed the averaged gradient.
+
+One spawn per world size (1, 2, 3, 4) runs every distributed check and returns what it measured; the
+tests below assert on it. Gradients are multiples of 1/64 in [-1, 1), so their sums are exact in any
+order: the averaged gradient is then bitwise the reference's, and the comparisons can be tight.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nanodist as nd
+from nanodist.check import assert_params_in_sync
+from nanodist.data import CharTokenizer, TokenStream, generate_corpus
+from nanodist.model import GPT, GPTConfig
+from nanodist.optim import (CombinedOptimizer, DistAdamW, DistMuon, make_muon_optimizer, newton_schulz,
+                            newton_schulz_singular_values, split_params_for_muon)
+from nanodist.optim.muon import _adjust_lr_rule, _newton_schulz
+from nanodist.testing import spawn
+from nanodist.train import TrainConfig, Trainer
+
+WORLD_SIZES = (1, 2, 3, 4)
+ADAMW_SHAPES = [(7, 5), (3,), (), (10, 4), (1,), (2, 3)]
+MUON_SHAPES = [(7, 5), (10, 4), (7, 5), (3, 9)]
+RTOL, ATOL = 1e-5, 1e-7
+
+
+# ----------------------------------------------------------------------------- helpers (run in the workers)
+
+def grads_for(shapes, step, world_size, seed=0):
+    """Every rank's gradients at `step`: each rank can compute all of them, hence the exact average."""
+    out = []
+    for q in range(world_size):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + q)
+        out.append([torch.randint(-64, 64, s, generator=g).float() / 64 for s in shapes])
+    return out
+
+
+def make_params(shapes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    return [torch.nn.Parameter(t.clone()) for t in init], [torch.nn.Parameter(t.clone()) for t in init]
+
+
+def max_diff(a, b):
+    return max(((x.detach() - y.detach()).abs().max().item() if x.numel() else 0.0) for x, y in zip(a, b))
+
+
+def all_close(a, b, rtol=RTOL, atol=ATOL):
+    return all(torch.allclose(x.detach(), y.detach(), rtol=rtol, atol=atol) for x, y in zip(a, b))
+
+
+def adamw_groups(ps):
+    # ps: the six ADAMW_SHAPES, then "never" (no rank ever has a gradient) and "only0" (rank 0 only).
+    return [{"params": ps[:3] + [ps[6]], "lr": 1e-2, "weight_decay": 0.1},
+            {"params": ps[3:6] + [ps[7]], "lr": 3e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)}]
+
+
+def check_adamw(rank, W, collectives, stage, bucket_mb, steps=20):
+    shapes = ADAMW_SHAPES + [(4,), (5,)]
+    ps, rs = make_params(shapes)
+    opt = DistAdamW(adamw_groups(ps), collectives=collectives, zero_stage=stage, bucket_cap_mb=bucket_mb)
+    ref = torch.optim.AdamW(adamw_groups(rs))
+    for t in range(steps + 1):
+        gs = grads_for(shapes, t, W)
+        for q in range(W):
+            gs[q][6] = None
+            if q != 0:
+                gs[q][7] = None
+        for i, p in enumerate(ps):
+            p.grad = None if gs[rank][i] is None else gs[rank][i].clone()
+        for i, r in enumerate(rs):
+            present = [g[i] for g in gs if g[i] is not None]
+            r.grad = sum(present) / W if present else None  # a missing gradient counts as zeros
+        if t == steps:
+            opt.record_next_step()
+        opt.step()
+        ref.step()
+    order = [next(j for j, q in enumerate(ps) if q is p) for g in opt.param_groups for p in g["params"]]
+    record_ok = True
+    for e in opt.recorded:  # e["index"] counts parameters in param-group order
+        j = order[e["index"]]
+        mine, avg = gs[rank][j], rs[j].grad
+        record_ok &= (e["grad"] is None) == (mine is None) and (mine is None or torch.equal(e["grad"], mine))
+        record_ok &= torch.equal(e["param"], ps[j].detach())
+        if e["piece"] is not None and avg is not None:
+            a, n = e["piece"]
+            record_ok &= torch.equal(e["updated_shard"], ps[j].detach().reshape(-1)[a:a + n])
+            record_ok &= torch.equal(e["grad_shard"], avg.reshape(-1)[a:a + n])
+    return {"close": all_close(ps, rs), "diff": max_diff(ps, rs), "record_ok": record_ok,
+            "never_unchanged": torch.equal(ps[6].detach(), make_params(shapes)[0][6].detach()),
+            "never_state": len(opt.state.get(ps[6], {})) + len(ref.state.get(rs[6], {})),
+            "grads_after_step": [p.grad is not None for p in ps]}
+
+
+def muon_groups(ps):
+    return [{"params": ps[:3] + [ps[4]], "lr": 0.02, "weight_decay": 0.1},
+            {"params": [ps[3]], "lr": 0.05, "weight_decay": 0.0, "nesterov": False, "adjust_lr_fn": "match_rms_adamw"}]
+
+
+def check_muon(rank, W, collectives, stage, steps=20):
+    shapes = MUON_SHAPES + [(4, 4)]  # the last one never gets a gradient
+    ps, rs = make_params(shapes, seed=2)
+    few, few_ref = make_params([(6, 4), (4, 6)], seed=3)  # fewer matrices than ranks at W = 3, 4
+    opt = DistMuon(muon_groups(ps), collectives=collectives, zero_stage=stage)
+    opt_few = DistMuon(few, lr=0.03, ns_steps=4, collectives=collectives, zero_stage=stage)
+    ref, ref_few = torch.optim.Muon(muon_groups(rs)), torch.optim.Muon(few_ref, lr=0.03, ns_steps=4)
+    for t in range(steps):
+        gs = grads_for(shapes + [(6, 4), (4, 6)], t, W, seed=5)
+        for q in range(W):
+            gs[q][4] = None
+        for i, p in enumerate(ps + few):
+            p.grad = None if gs[rank][i] is None else gs[rank][i].clone()
+        for i, r in enumerate(rs + few_ref):
+            r.grad = None if gs[0][i] is None else sum(g[i] for g in gs) / W
+        for o in (opt, opt_few, ref, ref_few):
+            o.step()
+    owners = [pc.rank for pc in opt_few.local_pieces()]
+    return {"diff": max_diff(ps + few, rs + few_ref), "never_state": len(opt.state.get(ps[4], {})),
+            "few_owned_here": len(owners), "momentum_here": sorted(opt.state_dict()["state"])}
+
+
+def check_combined_clip(rank, W, steps=10):
+    """CombinedOptimizer(DistAdamW, DistMuon) with max_grad_norm == clip_grad_norm_ over all, then torch's."""
+    a_shapes, m_shapes = [(9,), (), (5, 3)], [(6, 4), (4, 6), (6, 4)]
+    pa, ra = make_params(a_shapes, seed=7)
+    pm, rm = make_params(m_shapes, seed=8)
+    opt = CombinedOptimizer([DistAdamW(pa, lr=1e-2), DistMuon(pm, lr=0.02)])
+    opt.max_grad_norm = 0.5
+    ref_a, ref_m = torch.optim.AdamW(ra, lr=1e-2), torch.optim.Muon(rm, lr=0.02)
+    norms, ref_norms = [], []
+    for t in range(steps):
+        gs = grads_for(a_shapes + m_shapes, t, W, seed=11)
+        for i, p in enumerate(pa + pm):
+            p.grad = gs[rank][i].clone()
+        for i, r in enumerate(ra + rm):
+            r.grad = sum(g[i] for g in gs) / W
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ra + rm, 0.5).item())
+        opt.step()
+        ref_a.step()
+        ref_m.step()
+        norms.append(opt.last_grad_norm)
+    return {"adamw_diff": max_diff(pa, ra), "adamw_close": all_close(pa, ra, rtol=1e-5, atol=1e-6),
+            "muon_diff": max_diff(pm, rm), "norms": norms, "ref_norms": ref_norms,
+            "lr_groups": [g["lr"] for g in opt.param_groups]}
+
+
+def run_steps(opt, ps, shapes, start, steps, W, rank):
+    for t in range(start, start + steps):
+        gs = grads_for(shapes, t, W, seed=13)
+        for i, p in enumerate(ps):
+            p.grad = gs[rank][i].clone()
+        opt.step()
+
+
+def check_state_dict(rank, W):
+    out = {}
+    for kind, shapes, make in (
+            ("adamw", ADAMW_SHAPES, lambda ps: DistAdamW(adamw_groups(ps + make_params([(4,), (5,)])[0]), lr=1e-2)),
+            ("muon", MUON_SHAPES, lambda ps: DistMuon(ps, lr=0.02))):
+        ps, _ = make_params(shapes, seed=17)
+        opt = make(ps)
+        run_steps(opt, ps, shapes, 0, 3, W, rank)
+        saved = copy.deepcopy(opt.state_dict())
+        snapshot = [p.detach().clone() for p in ps]
+        run_steps(opt, ps, shapes, 3, 3, W, rank)
+        qs = [torch.nn.Parameter(s.clone()) for s in snapshot]
+        fresh = make(qs)
+        fresh.load_state_dict(copy.deepcopy(saved))
+        run_steps(fresh, qs, shapes, 3, 3, W, rank)
+        pieces = {pc.param: pc.numel for pc in opt.local_pieces()}
+        state = saved["state"]
+        shard_only = set(state) <= set(pieces) and all(
+            t.numel() in (1, pieces[i]) for i, s in state.items() for t in s.values() if torch.is_tensor(t))
+        out[kind] = {"resume_diff": max_diff(ps, qs), "shard_only": shard_only, "saved": saved,
+                     "state_numel": sum(t.numel() for s in state.values() for k, t in s.items() if k != "step")}
+        if kind == "adamw":  # rank 0's shard, loaded on another rank: a clear error
+            objs = [saved if rank == 0 else None]
+            if W > 1:
+                dist.broadcast_object_list(objs, src=0)
+            try:
+                make(make_params(shapes)[0]).load_state_dict(objs[0])
+                out["wrong_rank_error"] = None
+            except ValueError as e:
+                out["wrong_rank_error"] = str(e)
+    return out
+
+
+def check_gpt_state_bytes(rank, W):
+    """On a real model: the state this rank keeps is 1/W of torch.optim.AdamW's (plus padding and step counters)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=65, block_size=16))
+    opt = DistAdamW(model.configure_param_groups(0.1))
+    ref = torch.optim.AdamW(model.configure_param_groups(0.1))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    ref.step()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    size = lambda sd: sum(t.numel() * t.element_size() for s in sd["state"].values() for t in s.values())  # noqa
+    return {"mine": size(opt.state_dict()), "adamw": size(ref.state_dict())}
+
+
+def train_gpt(rank, W, which, steps=4):
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    tokens = torch.tensor(tok.encode(text))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16))
+    raw = model
+    if which == "ddp-adamw":
+        model = nd.DDP(raw)
+        opt = torch.optim.AdamW(raw.configure_param_groups(0.1), lr=3e-3)
+    elif which == "dist-adamw":
+        opt = DistAdamW(raw.configure_param_groups(0.1), lr=3e-3)
+    else:
+        opt = make_muon_optimizer(raw, lr=3e-3, muon_lr=0.02)
+    stream = TokenStream(tokens, batch_size=4, block_size=16, rank=rank, world_size=W, seed=0)
+    cfg = TrainConfig(steps=steps, micro_batch=4, seq_len=16, total_batch_tokens=4 * 16 * W * 2, lr=3e-3,
+                      warmup_steps=1, progress=False, log_every=0, grad_clip=0.5)
+    history = Trainer(model, opt, stream, cfg).fit()
+    try:
+        assert_params_in_sync(raw)
+        in_sync = None
+    except AssertionError as e:
+        in_sync = str(e)
+    return {"losses": [h["loss"] for h in history], "not_in_sync": in_sync,
+            "grad_norm": getattr(opt, "last_grad_norm", None)}
+
+
+def error_of(fn):
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_errors(rank, W):
+    p32, p64 = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    sparse_opt = DistAdamW(emb.parameters())
+    return {
+        "dtype": error_of(lambda: DistAdamW([p32, p64])),
+        "device": error_of(lambda: DistAdamW([p32, meta])),
+        "sparse": error_of(sparse_opt.step),
+        "muon_1d": error_of(lambda: DistMuon([torch.nn.Parameter(torch.zeros(3, 4)), p32])),
+        "muon_3d": error_of(lambda: DistMuon([torch.nn.Parameter(torch.zeros(2, 3, 4))])),
+        "torch_state": error_of(lambda: DistAdamW([p32]).load_state_dict(torch.optim.AdamW([p32]).state_dict())),
+        "muon_loads_adamw": error_of(lambda: DistMuon([torch.nn.Parameter(torch.zeros(3, 4))]).load_state_dict(
+            DistAdamW([torch.nn.Parameter(torch.zeros(3, 4))]).state_dict())),
+    }
+
+
+def check_subgroup(rank, W):
+    """process_group=: ranks 0 and 1 of a larger world train alone; the others do not take part."""
+    sub = dist.new_group([0, 1])  # every rank must call new_group, members or not
+    if rank > 1:
+        return None
+    ps, rs = make_params(ADAMW_SHAPES)
+    opt, ref = DistAdamW(ps, lr=1e-2, process_group=sub), torch.optim.AdamW(rs, lr=1e-2)
+    ms, rms = make_params(MUON_SHAPES, seed=2)
+    muon, ref_muon = DistMuon(ms, lr=0.02, process_group=sub), torch.optim.Muon(rms, lr=0.02)
+    for t in range(5):
+        gs = grads_for(ADAMW_SHAPES + MUON_SHAPES, t, 2)
+        for i, p in enumerate(ps + ms):
+            p.grad = gs[rank][i].clone()
+        for i, r in enumerate(rs + rms):
+            r.grad = (gs[0][i] + gs[1][i]) / 2
+        for o in (opt, ref, muon, ref_muon):
+            o.step()
+    return {"world_size": opt.world_size, "diff": max_diff(ps + ms, rs + rms)}
+
+
+def run_all(rank, W):
+    out = {"adamw": {}, "muon": {}}
+    for name, args in {"ring-stage2": ("auto", 2, 25.0), "torch-stage2-small-buckets": ("torch", 2, 1e-4),
+                       "ring-stage1-small-buckets": ("ring", 1, 1e-4)}.items():
+        out["adamw"][name] = check_adamw(rank, W, *args)
+    for name, args in {"ring-stage2": ("auto", 2), "torch-stage1": ("torch", 1)}.items():
+        out["muon"][name] = check_muon(rank, W, *args)
+    out["combined_clip"] = check_combined_clip(rank, W)
+    out["state_dict"] = check_state_dict(rank, W)
+    out["gpt_state_bytes"] = check_gpt_state_bytes(rank, W)
+    out["train"] = {which: train_gpt(rank, W, which) for which in ("ddp-adamw", "dist-adamw", "dist-muon")}
+    out["errors"] = check_errors(rank, W)
+    out["subgroup"] = check_subgroup(rank, W) if W >= 3 else None
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
+def runs(request):
+    """Every rank's results of run_all at one world size: one spawn per world size."""
+    return request.param, spawn(run_all, request.param, timeout=240)
+
+
+pytestmark = pytest.mark.dist
+
+
+# ----------------------------------------------------------------------------- the tests
+
+def test_dist_adamw_equals_torch_adamw_on_the_averaged_gradient(runs):
+    W, outs = runs
+    for rank, out in enumerate(outs):
+        for name, r in out["adamw"].items():
+            assert r["close"], f"W={W} rank {rank} {name}: max |diff| {r['diff']:.3g}"
+            assert r["diff"] <= 1e-6, (W, rank, name, r["diff"])
+
+
+def test_a_parameter_nobody_has_a_gradient_for_is_skipped_everywhere(runs):
+    W, outs = runs
+    for out in outs:
+        for r in out["adamw"].values():
+            assert r["never_unchanged"] and r["never_state"] == 0  # as torch.optim.AdamW: untouched, no state
+        for r in out["muon"].values():
+            assert r["never_state"] == 0
+
+
+def test_stage2_consumes_the_gradients_and_stage1_leaves_the_averaged_ones(runs):
+    W, outs = runs
+    for out in outs:
+        assert not any(out["adamw"]["ring-stage2"]["grads_after_step"])
+        # stage 1: every parameter somebody had a gradient for holds the averaged gradient; "never" stays None
+        assert out["adamw"]["ring-stage1-small-buckets"]["grads_after_step"] == [True] * 6 + [False, True]
+
+
+def test_recorded_pipeline_buffers_match_the_step(runs):
+    W, outs = runs
+    for out in outs:
+        assert all(r["record_ok"] for r in out["adamw"].values())
+
+
+def test_dist_muon_equals_torch_muon(runs):
+    W, outs = runs
+    for rank, out in enumerate(outs):
+        for name, r in out["muon"].items():
+            # Bitwise-equal averaged gradients give identical bf16 Newton-Schulz inputs.
+            assert r["diff"] <= 1e-6, f"W={W} rank {rank} {name}: max |diff| {r['diff']:.3g}"
+    owned = [out["muon"]["ring-stage2"]["few_owned_here"] for out in outs]
+    assert sum(owned) == 2 and max(owned) == (2 if W == 1 else 1)  # two matrices: one each, other ranks idle
+    momentum = [set(out["muon"]["ring-stage2"]["momentum_here"]) for out in outs]
+    assert set().union(*momentum) == {0, 1, 2, 4}  # state_dict numbering: group 0's four, then group 1's; 3 never
+    assert sum(len(m) for m in momentum) == len(set().union(*momentum))  # each matrix's state on one rank
+
+
+def test_combined_optimizer_clips_by_the_global_norm_of_the_averaged_gradient(runs):
+    W, outs = runs
+    for out in outs:
+        r = out["combined_clip"]
+        assert r["adamw_close"], r["adamw_diff"]
+        assert r["muon_diff"] <= 2e-3, r["muon_diff"]  # clip coefficients may differ in the last bit -> bf16
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-6)
+        assert r["ref_norms"][0] > 0.5  # clipping was active
+        assert r["lr_groups"] == [1e-2, 0.02]
+
+
+def test_state_dict_round_trip_resumes_identically_and_holds_only_the_shard(runs):
+    W, outs = runs
+    for out in outs:
+        for kind in ("adamw", "muon"):
+            r = out["state_dict"][kind]
+            assert r["resume_diff"] == 0.0
+            assert r["shard_only"]
+            assert r["saved"]["zero"]["world_size"] == W
+    # The ranks' AdamW shards partition the parameters: together exactly one copy of exp_avg and exp_avg_sq.
+    n = sum(torch.Size(s).numel() for s in ADAMW_SHAPES)  # the two extra parameters never had a gradient
+    assert sum(out["state_dict"]["adamw"]["state_numel"] for out in outs) == 2 * n
+    assert sum(out["state_dict"]["muon"]["state_numel"] for out in outs) == sum(a * b for a, b in MUON_SHAPES)
+
+
+def test_state_per_rank_is_one_over_world_size_of_adamw(runs):
+    W, outs = runs
+    for out in outs:
+        r = out["gpt_state_bytes"]
+        assert r["mine"] / r["adamw"] <= 1 / W + 0.01, r
+    assert sum(out["gpt_state_bytes"]["mine"] for out in outs) == pytest.approx(outs[0]["gpt_state_bytes"]["adamw"],
+                                                                                 rel=0.01)
+
+
+def test_loading_another_ranks_shard_fails_clearly(runs):
+    W, outs = runs
+    if W == 1:
+        assert outs[0]["state_dict"]["wrong_rank_error"] is None  # rank 0 loading its own shard works
+        return
+    assert outs[0]["state_dict"]["wrong_rank_error"] is None
+    for out in outs[1:]:
+        msg = out["state_dict"]["wrong_rank_error"]
+        assert "rank 0's shard" in msg and "must load the state it saved itself" in msg
+
+
+def test_a_shard_saved_at_another_world_size_is_refused(runs, no_process_group):
+    W, outs = runs
+    if W == 1:
+        pytest.skip("needs a state saved at world size > 1")
+    saved = outs[1]["state_dict"]["adamw"]["saved"]
+    ps = make_params(ADAMW_SHAPES + [(4,), (5,)])[0]
+    with pytest.raises(ValueError) as e:
+        DistAdamW(adamw_groups(ps)).load_state_dict(saved)  # this process: a world of one
+    msg = str(e.value)
+    assert f"rank 1's shard of a run with {W} ranks, but this run has 1" in msg
+    assert "resharding arrives with the checkpointing chapter" in msg
+
+
+def test_training_a_gpt_matches_ddp_and_keeps_ranks_in_sync(runs):
+    W, outs = runs
+    for out in outs:
+        for which, r in out["train"].items():
+            assert r["not_in_sync"] is None, r["not_in_sync"]
+        ddp, zero = out["train"]["ddp-adamw"]["losses"], out["train"]["dist-adamw"]["losses"]
+        assert zero == pytest.approx(ddp, rel=1e-4)
+        assert out["train"]["dist-adamw"]["grad_norm"] > 0  # the Trainer handed clipping to the optimizer
+        assert out["train"]["dist-muon"]["losses"][-1] < out["train"]["dist-muon"]["losses"][0]
+
+
+def test_a_process_group_of_some_ranks(runs):
+    W, outs = runs
+    if W < 3:
+        pytest.skip("needs ranks outside the group")
+    assert [out["subgroup"] and out["subgroup"]["world_size"] for out in outs] == [2, 2] + [None] * (W - 2)
+    assert all(out["subgroup"]["diff"] == 0.0 for out in outs[:2])
+
+
+def test_bad_input_errors_say_what_to_do(runs):
+    W, outs = runs
+    for out in outs:
+        e = out["errors"]
+        assert "must share a device and a dtype" in e["dtype"] and "torch.float64" in e["dtype"]
+        assert "must share a device and a dtype" in e["device"] and "meta" in e["device"]
+        assert e["sparse"].startswith("RuntimeError") and "does not support sparse gradients" in e["sparse"]
+        assert "Muon only supports 2D parameters" in e["muon_1d"] and "DistAdamW" in e["muon_1d"]
+        assert "Muon only supports 2D parameters" in e["muon_3d"]
+        assert "no 'zero' entry" in e["torch_state"]
+        assert "saved by DistAdamW" in e["muon_loads_adamw"]
+
+
+# ----------------------------------------------------------------------------- in this process: no process group
+
+@pytest.fixture
+def no_process_group():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is active in this test process")
+
+
+def test_world_of_one_without_a_process_group(no_process_group):
+    ps, rs = make_params(ADAMW_SHAPES)
+    opt, ref = DistAdamW(ps, lr=1e-2), torch.optim.AdamW(rs, lr=1e-2)
+    ms, rms = make_params(MUON_SHAPES, seed=2)
+    muon, ref_muon = DistMuon(ms, lr=0.02), torch.optim.Muon(rms, lr=0.02)
+    for t in range(5):
+        g = grads_for(ADAMW_SHAPES + MUON_SHAPES, t, 1)[0]
+        for p, r, gi in zip(ps + ms, rs + rms, g):
+            p.grad, r.grad = gi.clone(), gi.clone()
+        for o in (opt, ref, muon, ref_muon):
+            o.step()
+    assert opt.world_size == 1 and max_diff(ps, rs) == 0.0 and max_diff(ms, rms) == 0.0
+
+
+def test_argument_errors():
+    p = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="zero_stage must be 1 or 2"):
+        DistAdamW([p], zero_stage=3)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        DistAdamW([p], betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="Adjust learning rate function nope is not supported"):
+        DistMuon([p], adjust_lr_fn="nope")
+    with pytest.raises(ValueError, match="collectives must be one of"):
+        DistMuon([p], collectives="mpi")
+    with pytest.raises(TypeError, match="combines sharded optimizers"):
+        CombinedOptimizer([torch.optim.AdamW([p])])
+    with pytest.raises(ValueError, match="a parameter appears in two optimizers"):
+        CombinedOptimizer([DistAdamW([p]), DistMuon([p])])
+    opt = DistAdamW([p])
+    with pytest.raises(ValueError, match="must share a device and a dtype"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2)),
+                                        torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1  # the bad group was not kept
+
+
+def test_nanodist_exports_the_optimizers():
+    assert nd.DistAdamW is DistAdamW and nd.DistMuon is DistMuon
+
+
+# ----------------------------------------------------------------------------- Muon's pieces
+
+def test_newton_schulz_copy_matches_torch_and_lr_rule():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7, 5), (5, 7), (16, 16)]:
+        m = torch.randn(shape, generator=g)
+        assert torch.equal(_newton_schulz(m), newton_schulz(m, (3.4445, -4.7750, 2.0315), 5, 1e-7))
+        for fn in (None, "original", "match_rms_adamw"):
+            from torch.optim._muon import _adjust_lr
+            assert _adjust_lr_rule(0.02, fn, shape) == _adjust_lr(0.02, fn, torch.Size(shape))
+
+
+def test_newton_schulz_pushes_singular_values_towards_one():
+    m = torch.randn(32, 16, generator=torch.Generator().manual_seed(0)) * torch.logspace(0, -2, 16)
+    sv = newton_schulz_singular_values(m)
+    assert len(sv["per_step"]) == 6 and torch.equal(sv["after"], sv["per_step"][-1])
+    assert sv["before"].max() <= 1.0 and sv["before"].min() < 0.01  # badly conditioned input
+    assert 0.5 < sv["after"].min() and sv["after"].max() < 1.3  # roughly orthogonal afterwards
+    with pytest.raises(ValueError, match="needs a matrix"):
+        newton_schulz_singular_values(torch.zeros(3))
+
+
+def test_split_params_for_muon_sends_hidden_matrices_to_muon():
+    for tie in (True, False):
+        model = GPT(GPTConfig.preset("tiny", vocab_size=65, tie_weights=tie))
+        muon, adamw = split_params_for_muon(model)
+        names = {n for n, _ in muon}
+        assert names == {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
+        assert all(p.ndim == 2 for _, p in muon)
+        assert {n for n, _ in adamw} >= {"wte.weight", "wpe.weight", "ln_f.weight"}
+        assert ("lm_head.weight" in {n for n, _ in adamw}) == (not tie)
+        assert len(muon) + len(adamw) == len(list(model.parameters()))
+    opt = make_muon_optimizer(model)
+    assert [type(o).__name__ for o in opt.optimizers] == ["DistAdamW", "DistMuon"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.0]
