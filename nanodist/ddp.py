@@ -44,14 +44,6 @@ class _Bucket:
     done_at: list = field(default_factory=list)
 
 
-def _group_size(group) -> int:
-    return dist.get_world_size(group)
-
-
-def _supports_avg(backend: str) -> bool:
-    return backend in ("gloo", "nccl")
-
-
 class _SyncBase(nn.Module):
     """What DDP and NaiveDDP share: wrapping, broadcasting rank 0's state, no_sync, the end-of-backward callback."""
 
@@ -62,23 +54,26 @@ class _SyncBase(nn.Module):
                                "(or torch.distributed.init_process_group)")
         self.module = module
         self.group = process_group
-        self.world_size = _group_size(process_group)
+        self.world_size = dist.get_world_size(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
         self._callback_queued = False
         self.trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True]
+        self._check_same_structure()  # first: every rank must agree before anyone may raise
+        sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True
+                  and any(p.requires_grad for p in m.parameters())]
         if sparse:
             raise ValueError(f"{type(self).__name__} does not support sparse gradients, and {', '.join(sparse)} "
                              f"produce them (nn.Embedding(sparse=True)): use sparse=False")
-        self._check_same_structure()
         self.mismatched_at_wrap = self._broadcast_from_rank0()
 
     # --- wrapping -----------------------------------------------------------------------------------
 
     def _check_same_structure(self) -> None:
         """Every rank must wrap the same architecture, or the collectives below would hang or corrupt."""
-        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.module.named_parameters()]
+        sparse = {id(p) for m in self.module.modules() if getattr(m, "sparse", False) is True for p in m.parameters()}
+        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, id(p) in sparse)
+                for n, p in self.module.named_parameters()]
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
@@ -114,6 +109,13 @@ class _SyncBase(nn.Module):
     # --- forward / no_sync ---------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        if self._callback_queued or self._in_backward():
+            # The previous backward was interrupted (an exception, Ctrl-C) before its end-of-backward
+            # callback ran: forget its half-finished state instead of mistaking it for this step's.
+            get_logger().warning(f"{type(self).__name__}: the previous backward did not finish; its partial "
+                                 f"gradient synchronisation was discarded")
+            self._callback_queued = False
+            self._reset()
         if self.broadcast_buffers and self.require_sync and self.world_size > 1:
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             for b in self.module.buffers():  # e.g. BatchNorm running stats: rank 0's win, as in torch DDP
@@ -137,6 +139,12 @@ class _SyncBase(nn.Module):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._finish()
+
+    def _in_backward(self) -> bool:
+        return False
+
+    def _reset(self) -> None:
+        pass
 
     def state_dict(self, *args, **kwargs):  # checkpoints hold the bare module's names, no "module." prefix
         return self.module.state_dict(*args, **kwargs)
@@ -176,8 +184,8 @@ class DDP(_SyncBase):
         self._used = set()
         self._next = 0  # the next bucket to launch
         self._backward_start = None
-        backend = str(dist.get_backend(self.group)).lower()
-        self._op = dist.ReduceOp.AVG if _supports_avg(backend) else dist.ReduceOp.SUM
+        self._autograd_end = None
+        self._missing = 0  # this rank's parameters without a gradient, sent along in the last bucket
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in self.trainable]
 
     def _build_buckets(self) -> list[_Bucket]:
@@ -200,7 +208,10 @@ class DDP(_SyncBase):
             for p in ps:
                 offsets.append(n)
                 n += p.numel()
-            out.append(_Bucket(i, ps, offsets, torch.zeros(n, dtype=ps[0].dtype, device=ps[0].device)))
+            # The last bucket carries one extra element: how many parameters got no gradient on this rank,
+            # so that after its all-reduce every rank knows whether *any* rank missed one.
+            extra = 1 if i == len(buckets) - 1 else 0
+            out.append(_Bucket(i, ps, offsets, torch.zeros(n + extra, dtype=ps[0].dtype, device=ps[0].device)))
         return out
 
     # --- during backward ----------------------------------------------------------------------------
@@ -229,10 +240,10 @@ class DDP(_SyncBase):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self._op == dist.ReduceOp.SUM:
-            bucket.buffer.div_(self.world_size)
+        if bucket.index == len(self.buckets) - 1:
+            bucket.buffer[-1] = self._missing
         bucket.launched_at = time.perf_counter()
-        bucket.work = dist.all_reduce(bucket.buffer, op=self._op, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         if self.record_timeline:
             bucket.done_at = []
             bucket.work.get_future().then(lambda _f, b=bucket: b.done_at.append(time.perf_counter()))
@@ -243,9 +254,11 @@ class DDP(_SyncBase):
         return next(n for n, q in self.trainable if q is p)
 
     def _finish(self) -> None:
+        self._autograd_end = time.perf_counter()  # autograd is done; from here on we only wait
         # Parameters whose hook did not fire this step contribute what they hold: a gradient accumulated
         # under no_sync, or zeros. Then every remaining bucket goes out, in order.
         missing = [p for _, p in self.trainable if p not in self._used]
+        self._missing = sum(1 for p in missing if p.grad is None)
         for p in missing:
             if p.grad is not None:
                 self._slots[p].copy_(p.grad)
@@ -263,12 +276,14 @@ class DDP(_SyncBase):
             used_anywhere = {p for (_, p), f in zip(self.trainable, flags.tolist()) if f > 0}
         self._wait_all()
         no_grad = [self._name(p) for p in missing if p not in has_grad]
-        if no_grad and not self.find_unused_parameters:
-            self._reset()
+        anyone_missing = self.buckets[-1].buffer[-1].item() > 0  # averaged counts: > 0 if any rank missed one
+        if anyone_missing and not self.find_unused_parameters:
+            self._reset()  # every rank raises, so no rank walks on into the next step's collectives alone
+            here = (f"on this rank: {', '.join(no_grad[:8])}{', ...' if len(no_grad) > 8 else ''}" if no_grad
+                    else "on another rank (this rank had every gradient)")
             raise RuntimeError(
-                f"DDP: {len(no_grad)} parameter(s) got no gradient this step: {', '.join(no_grad[:8])}"
-                f"{', ...' if len(no_grad) > 8 else ''}. If they are unused on purpose, wrap with "
-                f"DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
+                f"DDP: parameter(s) got no gradient this step, {here}. If they are unused on purpose, wrap "
+                f"with DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
         for _, p in self.trainable:
             if p in used_anywhere:
                 view = self._slots[p]
@@ -280,19 +295,24 @@ class DDP(_SyncBase):
         for b in self.buckets:
             b.work.wait()
         if self.record_timeline and self._backward_start is not None:
+            # On CUDA a future may complete before the kernel does: the timeline is exact on gloo/CPU only.
             end = time.perf_counter()
+            t0 = self._backward_start
             for b in self.buckets:
                 done = b.done_at[0] if b.done_at else end
-                self.timeline.append({"bucket": b.index, "numel": b.buffer.numel(),
-                                      "launch_s": b.launched_at - self._backward_start,
-                                      "done_s": done - self._backward_start,
-                                      "backward_end_s": end - self._backward_start})
+                self.timeline.append({"bucket": b.index, "numel": sum(p.numel() for p in b.params),
+                                      "launch_s": b.launched_at - t0, "done_s": done - t0,
+                                      "autograd_end_s": self._autograd_end - t0, "synced_s": end - t0})
+
+    def _in_backward(self) -> bool:
+        return self._backward_start is not None
 
     def _reset(self) -> None:
         for b in self.buckets:
             b.ready, b.work = 0, None
         self._used = set()
         self._next = 0
+        self._missing = 0
         self._backward_start = None
 
 
@@ -309,7 +329,7 @@ class NaiveDDP(_SyncBase):
 
     def _finish(self) -> None:
         for _, p in self.trainable:
-            if p.grad is None:
-                continue  # unused on this rank; the naive version assumes every rank uses the same parameters
+            if p.grad is None:  # unused here: join with zeros, or the ranks' all-reduces would pair up wrongly
+                p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.group)
             p.grad.div_(self.world_size)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import FancyBboxPatch
+from matplotlib.patches import FancyBboxPatch, Rectangle
 
 PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
@@ -51,15 +51,15 @@ def bars(labels: list[str], values: list[float], ylabel: str, title: str = "", a
 
 
 def ddp_timeline(timeline: list[dict], step: int = -1, ax=None):
-    """One training step of nanodist.DDP: when each bucket's all-reduce was launched and finished,
-    against the backward pass (from DDP(record_timeline=True).timeline; times from the first ready gradient)."""
+    """One training step of nanodist.DDP: when each bucket's all-reduce was launched and finished, against
+    the backward pass (from DDP(record_timeline=True).timeline; times from the first ready gradient)."""
     n_buckets = 1 + max(t["bucket"] for t in timeline)
     steps = [timeline[i:i + n_buckets] for i in range(0, len(timeline), n_buckets)]
     rows = steps[step]
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * (n_buckets + 1)))
     ms = 1e3
-    end = rows[0]["backward_end_s"] * ms
+    end, synced = rows[0]["autograd_end_s"] * ms, rows[0]["synced_s"] * ms
     ax.barh(n_buckets, end, left=0, color="#BBBBBB", height=0.6)
     ax.text(end / 2, n_buckets, "backward (gradients being computed)", ha="center", va="center", fontsize=8)
     for t in rows:
@@ -69,6 +69,9 @@ def ddp_timeline(timeline: list[dict], step: int = -1, ax=None):
     ax.set_yticks(range(n_buckets + 1),
                   [f"bucket {n_buckets - 1 - i}" for i in range(n_buckets)] + ["compute"])
     ax.axvline(end, color="#555555", lw=1, ls="--")
+    ax.axvline(synced, color="#C44E52", lw=1, ls=":")
+    ax.text(synced, -0.9, " all averaged", color="#C44E52", fontsize=8, va="center")
+    ax.set_ylim(-1.3, n_buckets + 0.6)
     ax.set_xlabel("ms since the first gradient was ready")
     ax.set_title("all-reduce of each gradient bucket, overlapping the backward pass")
     ax.spines[["top", "right"]].set_visible(False)
@@ -103,3 +106,186 @@ def scaling(measured: dict, predicted: dict | None = None, max_ranks: int = 8, a
         ax.spines[["top", "right"]].set_visible(False)
     ax_e.legend(fontsize=8, loc="lower left")
     return axes
+
+
+# ----------------------------------------------------------------------------- chapter 2: collectives
+
+REDUCED = "#3A3A3A"  # a cell holding a sum over ranks
+
+
+def _cell(ax, x, y, text, fc, tc="white", ec="white", lw=1.5, w=1.0, hatch=None, fontsize=9):
+    ax.add_patch(Rectangle((x, y), w, 1, fc=fc, ec=ec, lw=lw, hatch=hatch))
+    ax.text(x + w / 2, y + 0.5, text, ha="center", va="center", color=tc, fontsize=fontsize)
+
+
+def collective_buffers(entry: dict, ax=None, title: str | None = None):
+    """Every rank's buffer before and after one collective (an entry of lab02 --demo's metrics["demo"]["collectives"]).
+
+    A cell is coloured by the rank its value started on; a sum over ranks is dark grey; the buffers a collective
+    leaves undefined (dist.reduce's non-root ranks) are hatched, showing whatever scratch they hold.
+    """
+    before, after = entry["before"], entry["after"]
+    n, defined = len(before), entry.get("defined") or [True] * len(before)
+    wb, wa, gap = max(map(len, before)), max(map(len, after)), 2.2
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.42 * (wb + wa + gap + 1.6), 0.42 * (n + 1.2)))
+    origin: dict = {}  # value -> the ranks it started on
+    for r, buf in enumerate(before):
+        for v in buf:
+            origin.setdefault(v, set()).add(r)
+    x0 = wb + gap
+    for r in range(n):
+        y = n - 1 - r
+        ax.text(-0.25, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=9)
+        for i, v in enumerate(before[r]):
+            _cell(ax, i, y, v, PALETTE[r % len(PALETTE)])
+        for i, v in enumerate(after[r]):
+            if not defined[r]:
+                _cell(ax, x0 + i, y, v, "white", tc="#888888", ec="#BBBBBB", lw=0.8, hatch="////")
+            elif entry.get("reduces"):
+                _cell(ax, x0 + i, y, v, REDUCED)
+            else:
+                src = origin.get(v, set())
+                _cell(ax, x0 + i, y, v, PALETTE[min(src) % len(PALETTE)] if len(src) == 1 else "#AAAAAA")
+    ax.annotate("", xy=(x0 - 0.35, n / 2), xytext=(wb + 0.35, n / 2), arrowprops=dict(arrowstyle="-|>", lw=1.5))
+    ax.text(wb / 2, n + 0.15, "before", ha="center", va="bottom", fontsize=9, color="#555555")
+    ax.text(x0 + wa / 2, n + 0.15, "after", ha="center", va="bottom", fontsize=9, color="#555555")
+    ax.set_title(title or entry["call"], fontsize=10, family="monospace")
+    ax.set_xlim(-1.7, x0 + max(wa, 1) + 0.1)
+    ax.set_ylim(-0.1, n + 0.8)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return ax
+
+
+def collectives_panels(collectives: dict, names: list[str], ncols: int = 2):
+    """collective_buffers() for several collectives side by side; returns the Axes."""
+    nrows = -(-len(names) // ncols)
+    n = len(collectives[names[0]]["before"])
+    width = max(max(map(len, collectives[k]["before"])) + max(map(len, collectives[k]["after"])) for k in names)
+    _, axes = plt.subplots(nrows, ncols, figsize=(ncols * 0.42 * (width + 4), nrows * 0.42 * (n + 2.2)),
+                           squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        collective_buffers(collectives[name], ax=ax)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    return axes
+
+
+def barrier_timeline(entry: dict, ax=None):
+    """lab02 --demo's barrier: each rank works for a while, then waits in dist.barrier() until the last arrives."""
+    arrive, leave = entry["arrive_ms"], entry["leave_ms"]
+    n = len(arrive)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.6 + 0.45 * n))
+    for r in range(n):
+        y = n - 1 - r
+        ax.barh(y, arrive[r], color=PALETTE[r % len(PALETTE)], height=0.6)
+        if arrive[r] > 0.15 * max(leave):
+            ax.text(arrive[r] / 2, y, "working", ha="center", va="center", color="white", fontsize=8)
+        ax.barh(y, leave[r] - arrive[r], left=arrive[r], color="#EEEEEE", edgecolor="#999999", hatch="...",
+                height=0.6, label="waiting in dist.barrier()" if r == 0 else None)
+    ax.axvline(max(arrive), color="#555555", lw=1, ls="--")
+    ax.text(max(arrive), n - 0.45, "the last rank arrives ", ha="right", fontsize=8, va="bottom", color="#555555")
+    ax.set_yticks(range(n), [f"rank {n - 1 - i}" for i in range(n)])
+    ax.set_ylim(-0.5, n + 0.2)
+    ax.set_xlabel("ms since the ranks left the previous barrier")
+    ax.set_title(entry.get("call", "dist.barrier()"), fontsize=10, family="monospace")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
+def ring_steps(frames: list[dict], ax=None, fmt: str = "{:g}"):
+    """Ring all-reduce step by step, from collectives.simulate() or trace_ring_all_reduce() frames.
+
+    One row per frame, one group of cells per rank (a cell per element, chunks side by side). A chunk's shade
+    says how many ranks' contributions it holds (dark: all of them); the chunk each rank has just received
+    from its left neighbour is outlined in red.
+    """
+    from .collectives import chunk_bounds
+    n, m = len(frames[0]["buffers"]), frames[0]["buffers"][0].numel()
+    bounds = chunk_bounds(m, n)
+    texts = [[fmt.format(v) for v in b.tolist()] for f in frames for b in f["buffers"]]
+    w = max(1.0, 0.3 * max(len(t) for row in texts for t in row) + 0.3)  # cell width for the longest number
+    group = m * w + 0.8
+    rows = len(frames)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.42 * (n * group + 4.5), 0.42 * (1.25 * rows + 1.2)))
+    cmap = plt.get_cmap("Blues")
+    count = [[1] * n for _ in range(n)]  # count[r][c]: how many ranks' contributions rank r's chunk c holds
+    steps = {p: sum(f["phase"] == p for f in frames) for p in ("reduce-scatter", "all-gather")}
+    for k, f in enumerate(frames):
+        new = [row[:] for row in count]
+        for src, dst, c in f["sends"]:
+            new[dst][c] = count[dst][c] + count[src][c] if f["phase"] == "reduce-scatter" else count[src][c]
+        count = new
+        received = {(dst, c) for _, dst, c in f["sends"]}
+        y = 1.25 * (rows - 1 - k)
+        label = "start" if f["phase"] == "start" else f"{f['phase']} {f['step'] + 1}/{steps[f['phase']]}"
+        ax.text(-0.4, y + 0.5, label, ha="right", va="center", fontsize=9)
+        for r in range(n):
+            x0 = r * group
+            for c, (a, b) in enumerate(bounds):
+                share = count[r][c] / n
+                for i in range(a, b):
+                    _cell(ax, x0 + i * w, y, fmt.format(frames[k]["buffers"][r][i].item()), cmap(0.15 + 0.75 * share),
+                          tc="white" if share > 0.5 else "#222222", w=w, fontsize=8)
+                if (r, c) in received and b > a:
+                    ax.add_patch(Rectangle((x0 + a * w, y), (b - a) * w, 1, fc="none", ec=PALETTE[3], lw=2.5,
+                                           zorder=3))
+    top = 1.25 * (rows - 1) + 1
+    for r in range(n):
+        ax.text(r * group + m * w / 2, top + 0.55, f"rank {r}", ha="center", va="bottom", fontsize=10)
+        for c, (a, b) in enumerate(bounds):
+            ax.text(r * group + (a + b) / 2 * w, top + 0.1, f"chunk {c}" if w * (b - a) >= 1.6 else f"c{c}",
+                    ha="center", va="bottom", fontsize=7, color="#777777")
+    ax.set_xlim(-5.2, n * group)
+    ax.set_ylim(-0.2, top + 1.4)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("every step, every rank r sends one chunk to rank r+1 (the last to rank 0); red: the chunk just "
+                 "received", fontsize=9)
+    return ax
+
+
+def _size_label(size: float) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= scale:
+            return f"{size / scale:g}{unit}"
+    return f"{size:g}"
+
+
+def bandwidth(rows: list[dict], ops: list[str] | None = None, memcpy_GBps: float | None = None,
+              models: dict | None = None, ax=None, title: str = ""):
+    """Bus bandwidth against message size from lab02's metrics["sweep"] rows, one line per op.
+
+    models (op -> costmodel.CostModel): dashed lines, the busbw the fitted alpha-beta model predicts;
+    memcpy_GBps: a dotted line, this machine's memory-copy bandwidth (the ceiling for moving bytes).
+    """
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter
+    ops = ops or list(dict.fromkeys(r["op"] for r in rows))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for i, op in enumerate(ops):
+        pts = sorted((r["size_bytes"], r["busbw_GBps"], r["busbw_GBps"] / r["algbw_GBps"])
+                     for r in rows if r["op"] == op)
+        if not pts:
+            continue
+        color = PALETTE[i % len(PALETTE)]
+        size, busbw, factor = zip(*pts)
+        ax.plot(size, busbw, marker="o" if op.startswith("dist.") else "s", ms=4, color=color, label=op)
+        if models and op in models:
+            s = np.geomspace(size[0], size[-1], 100)
+            ax.plot(s, factor[0] * s / models[op].predict(s) / 1e9, ls="--", lw=1, color=color)
+    if memcpy_GBps:
+        ax.axhline(memcpy_GBps, color="#555555", ls=":", lw=1.5, label=f"memcpy ({memcpy_GBps:.1f} GB/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
+    ax.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title=title)
+    ax.grid(True, which="major", color="#EEEEEE")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax

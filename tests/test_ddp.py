@@ -141,7 +141,7 @@ def test_errors_are_clear_and_disagreeing_ranks_are_reported():
     out = spawn(errors_worker, 2, timeout=120)
     for found in out:
         assert "inp.weight" in found["mismatched"] and found["in_sync_after_wrap"]
-        assert "got no gradient this step: unused.weight, unused.bias" in found["unused_error"]
+        assert "got no gradient this step, on this rank: unused.weight, unused.bias" in found["unused_error"]
         assert "find_unused_parameters=True" in found["unused_error"]
         assert "ranks wrap different models" in found["structure_error"]
         assert "rank 0 has ('weight', (4, 4)" in found["structure_error"]
@@ -152,17 +152,57 @@ def timeline_worker(rank, world):
     torch.manual_seed(0)
     net = Net()
     net.unused.requires_grad_(False)
-    model = nd.DDP(net, bucket_cap_mb=0.004, record_timeline=True)
+    model = nd.DDP(net, bucket_cap_mb=0.004, first_bucket_cap_mb=0.004, record_timeline=True)
     for step in range(2):
         model.zero_grad()
         loss_of(model, *batch(rank, step=step)).backward()
     return model.timeline, len(model.buckets)
 
 
-def test_timeline_records_every_bucket_of_every_step():
+def test_buckets_are_launched_while_backward_is_still_running():
     timeline, n = spawn(timeline_worker, 2, timeout=60)[0]
-    assert len(timeline) == 2 * n
+    assert n >= 3 and len(timeline) == 2 * n
     assert [t["bucket"] for t in timeline] == list(range(n)) * 2
     for t in timeline:
-        assert 0 <= t["launch_s"] <= t["done_s"] <= t["backward_end_s"] + 1e-3
+        assert 0 <= t["launch_s"] <= t["done_s"] <= t["synced_s"] + 1e-3
+        assert t["autograd_end_s"] <= t["synced_s"]
+    for step in (timeline[:n], timeline[n:]):
+        # overlap: each bucket goes out as soon as its gradients are ready, before autograd has finished,
+        # one after another (a DDP that launched everything at the end of backward would fail both)
+        assert all(t["launch_s"] < t["autograd_end_s"] for t in step)
+        assert [t["launch_s"] for t in step] == sorted(t["launch_s"] for t in step)
+        assert step[0]["launch_s"] < step[-1]["launch_s"]
 
+
+def default_path_worker(rank, world):
+    """The default DDP (no find_unused_parameters) against torch's default DDP, and every rank raising together."""
+    torch.manual_seed(0)
+    net = Net()
+    net.unused.requires_grad_(False)
+    ours, theirs = nd.DDP(_copy(net), bucket_cap_mb=0.004), TorchDDP(_copy(net), bucket_cap_mb=0.004)
+    for step in range(2):
+        for m in (ours, theirs):
+            m.zero_grad()
+            loss_of(m, *batch(rank, step=step)).backward()
+        same_grads(grads(ours.module), grads(theirs.module))
+    # a parameter unused on rank 1 only: both ranks must raise (rank 0 alone would walk into a hang)
+    torch.manual_seed(0)
+    ddp = nd.DDP(Net())
+    try:
+        loss_of_unused = nn.functional.cross_entropy(ddp(batch(rank)[0], use_unused=rank == 0), batch(rank)[1])
+        loss_of_unused.backward()
+        return "no error"
+    except RuntimeError as e:
+        message = str(e)
+    # after the error the wrapper is usable again
+    ddp2 = nd.DDP(net)
+    loss_of(ddp2, *batch(rank)).backward()
+    return message
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_default_ddp_equals_torch_and_missing_gradients_raise_on_every_rank(world):
+    messages = spawn(default_path_worker, world, timeout=120)
+    assert "on this rank: unused.weight, unused.bias" in messages[1]
+    assert "on another rank (this rank had every gradient)" in messages[0]
+    assert all("find_unused_parameters=True" in m for m in messages)
