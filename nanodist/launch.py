@@ -35,6 +35,7 @@ LABS_DIR = REPO_ROOT / "labs"
 _PREFIX = re.compile(r"^\[rank(\d+)\]:")
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's own excepthook prefixes tracebacks once more
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_DYING_NOISE = ("terminate called", "[W", "[E", "W1", "E1")  # C++ and glog lines from a process being torn down
 
 
 class LaunchError(RuntimeError):
@@ -126,10 +127,17 @@ def _failing_rank(output: str) -> tuple[int | None, str]:
     starts = [i for i, l in enumerate(lines) if l.startswith("Traceback")]
     if not starts:
         return rank, ""
-    # From the first traceback (chained ones included) to the exception line closing the last one.
-    end = next((i for i in range(starts[-1] + 1, len(lines)) if lines[i] and not lines[i][0].isspace()),
-               len(lines) - 1)
-    return rank, "\n".join(lines[starts[0]:end + 1])
+    # From the first traceback (chained ones included) to the end of what the rank printed: the exception
+    # message may span several lines. Native noise printed while the process dies is left out.
+    kept = [l for l in lines[starts[0]:] if not l.startswith(_DYING_NOISE)]
+    return rank, "\n".join(kept).rstrip()
+
+
+def _exception_line(traceback: str) -> str:
+    """The 'SomeError: message' line that closes the last traceback."""
+    lines = traceback.splitlines()
+    last = max((i for i, l in enumerate(lines) if l.startswith("Traceback")), default=-1)
+    return next((l for l in lines[last + 1:] if l and not l[0].isspace()), lines[-1] if lines else "")
 
 
 def _first_tb_index(output: str, rank: int) -> int:
@@ -238,6 +246,9 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
             if time.monotonic() - last_track > 0.5:
                 track()
                 last_track = time.monotonic()
+                if nnodes > 1 and any(a.poll() not in (None, 0) for a in agents):
+                    # One "node" failed: the others' workers would wait in a collective until their timeout.
+                    _kill_tree(list(seen.values()))
             try:
                 line = lines.get(timeout=0.1)
             except queue.Empty:
@@ -268,7 +279,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
     if returncode != 0:
         rank, tb = _failing_rank(text)
         where = f"rank {rank}" if rank is not None else "a rank"
-        last = tb.strip().splitlines()[-1] if tb.strip() else "(no traceback printed; see .output)"
+        last = _exception_line(tb) if tb.strip() else "(no traceback printed; see .output)"
         raise LaunchError(f"{script.name} failed on {where} (exit code {returncode}): {last}\n\n{tb}",
                           returncode=returncode, rank=rank, traceback=tb, output=text)
     found = sorted(Path(child_env["NANODIST_RESULTS_DIR"]).glob(f"*/{run_id}.json"))

@@ -26,6 +26,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import torch
 
 SCHEMA_VERSION = 1
@@ -64,11 +65,7 @@ def _cpu_model() -> str:
 
 
 def _physical_cores() -> int | None:
-    try:
-        import psutil
-        return psutil.cpu_count(logical=False)
-    except Exception:
-        return None
+    return psutil.cpu_count(logical=False)
 
 
 def hardware_fingerprint() -> dict:
@@ -76,11 +73,7 @@ def hardware_fingerprint() -> dict:
     gpus = []
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    try:
-        import psutil
-        mem_gb = round(psutil.virtual_memory().total / 2**30, 1)
-    except Exception:
-        mem_gb = None
+    mem_gb = round(psutil.virtual_memory().total / 2**30, 1)
     nccl = None
     if torch.cuda.is_available():
         try:
@@ -247,14 +240,21 @@ def load_all(lab: str | None = None, roots=None, include_reference: bool = True)
     """Every results file (optionally of one lab) under the results dir and the reference dir, oldest first."""
     if roots is None:
         roots = [results_dir()] + ([REFERENCE_DIR] if include_reference else [])
+    reference = REFERENCE_DIR.resolve()
+    explicit = {Path(r).resolve() for r in roots}
     seen, records = set(), []
     for root in map(Path, roots):
         if not root.is_dir():
             continue
         for path in sorted(root.rglob("*.json")):
+            resolved = path.resolve()
+            # labs/results/ contains reference/: walk into it only when it was asked for as a root.
+            if reference in resolved.parents and reference not in explicit:
+                continue
             rec = load(path)
-            if (lab is None or rec["lab"] == lab) and rec["run_id"] not in seen:
-                seen.add(rec["run_id"])
+            key = (rec["lab"], rec["run_id"])
+            if (lab is None or rec["lab"] == lab) and key not in seen:
+                seen.add(key)
                 records.append(rec)
     return sorted(records, key=lambda r: (r["created"], r["run_id"]))
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import nanodist as nd
-from nanodist.launch import _failing_rank, rank_lines, resolve_script
+from nanodist.launch import _exception_line, _failing_rank, rank_lines, resolve_script
 
 SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.dist
@@ -121,6 +121,30 @@ def test_bad_arguments_fail_before_starting_anything():
     with pytest.raises(FileNotFoundError, match="lab01_ranks"):
         nd.launch("no_such_lab")
     assert resolve_script("lab01_ranks").name == "lab01_ranks.py"
+
+
+def test_a_failure_on_one_node_stops_the_other_node_promptly(results_dir):
+    start = time.monotonic()
+    with pytest.raises(nd.LaunchError) as err:  # fail.py's other ranks would wait 60 s in a barrier
+        nd.launch(SCRIPTS / "fail.py", nproc=1, nnodes=2, timeout=120, echo=False)
+    assert err.value.rank == 1 and "ZeroDivisionError" in err.value.traceback
+    assert time.monotonic() - start < 45
+
+
+def test_multi_line_exception_messages_are_kept():
+    output = "\n".join([
+        "[rank1]:[rank1]: Traceback (most recent call last):",
+        "[rank1]:[rank1]:   File \"x.py\", line 9, in <module>",
+        "[rank1]:[rank1]: AssertionError: parameters differ across ranks: first is 'w'",
+        "[rank1]:[rank1]: ranks with identical copies: [0], [1]",
+        "[rank1]:[rank1]: max abs diff 0.5",
+        "[rank1]:terminate called without an active exception",
+        "Root Cause (first observed failure):",
+        "  rank      : 1 (local_rank: 1)",
+    ])
+    rank, tb = _failing_rank(output)
+    assert rank == 1 and tb.splitlines()[-2:] == ["ranks with identical copies: [0], [1]", "max abs diff 0.5"]
+    assert _exception_line(tb) == "AssertionError: parameters differ across ranks: first is 'w'"
 
 
 def test_output_parsing_finds_the_root_cause_rank():

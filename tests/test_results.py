@@ -97,3 +97,14 @@ def test_a_bad_file_among_good_ones_is_named(tmp_path):
     (tmp_path / "lab_x" / "broken.json").write_text("[]")
     with pytest.raises(ResultsError, match="broken.json"):
         load_all(roots=[tmp_path])
+
+
+def test_reference_runs_are_read_only_when_asked_for(tmp_path, monkeypatch):
+    mine = tmp_path / "results"
+    reference = mine / "reference"  # as in the repository: labs/results/reference/ inside labs/results/
+    monkeypatch.setattr(results, "REFERENCE_DIR", reference)
+    monkeypatch.setenv("NANODIST_RESULTS_DIR", str(mine))
+    write_run(mine / "lab_x", host="laptop")
+    write_run(reference / "lab_x", host="gpu-box")
+    assert [r["hardware"]["hostname"] for r in load_all("lab_x")] == ["laptop", "gpu-box"]
+    assert [r["hardware"]["hostname"] for r in load_all("lab_x", include_reference=False)] == ["laptop"]
