@@ -68,7 +68,7 @@ def install_torch() -> None:
     no_gpu = shutil.which("nvidia-smi") is None and sys.platform != "darwin"
     if no_gpu:
         say("no NVIDIA GPU here: installing the CPU-only torch build")
-        run(pip + ["--index-url", CPU_INDEX, "--extra-index-url", "https://pypi.org/simple", TORCH_SPEC])
+        run(pip + ["--index-url", CPU_INDEX, TORCH_SPEC])  # alone: PyPI beside it could win with a CUDA build
     else:
         run(pip + [TORCH_SPEC])
 

@@ -32,11 +32,6 @@ def parse_args():
     return p.parse_args()
 
 
-def sync(info):
-    if info.device.type == "cuda":
-        torch.cuda.synchronize(info.device)
-
-
 def main():
     args = parse_args()
     info = nd.init(backend=args.backend, device=args.device, seed=args.seed)
@@ -65,10 +60,10 @@ def main():
     big = torch.ones(args.numel, device=info.device)
     for i in range(args.repeats):
         dist.barrier()
-        sync(info)
+        nd.runtime.synchronize(info.device)
         t0 = time.perf_counter()
         dist.all_reduce(big)
-        sync(info)
+        nd.runtime.synchronize(info.device)
         rec.step(step=i, time_s=time.perf_counter() - t0, bytes=big.numel() * big.element_size())
 
     report = {

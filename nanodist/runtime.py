@@ -119,7 +119,14 @@ def choose_backend(requested: str | None, local_world_size: int) -> str:
     requested = requested or os.environ.get("NANODIST_BACKEND") or None
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested is None:
-        return "nccl" if n_gpu >= local_world_size and n_gpu > 0 else "gloo"
+        if n_gpu >= local_world_size and n_gpu > 0:
+            return "nccl"
+        if n_gpu > 0:  # a GPU machine training on the CPU deserves a word, not silence
+            get_logger().warning(
+                f"{n_gpu} GPU(s) visible but {local_world_size} local ranks: nccl needs one GPU per rank, so "
+                f"this run uses gloo on the CPU. Launch with --nproc_per_node={n_gpu} to train on the GPUs, or set "
+                f"NANODIST_BACKEND=gloo to silence this.")
+        return "gloo"
     requested = requested.lower()
     if requested not in BACKENDS:
         raise DistConfigError(f"unknown backend {requested!r}: use one of {', '.join(BACKENDS)}")
@@ -154,6 +161,12 @@ def choose_device(requested: str | torch.device | None, backend: str, local_rank
     if index >= n_gpu:
         raise DistConfigError(f"device {requested!r} requested but only {n_gpu} GPU(s) are visible")
     return torch.device("cuda", index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously); a no-op on the CPU. Use it around timings."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def seed_everything(seed: int) -> None:
@@ -293,14 +306,17 @@ class _RankFilter(logging.Filter):
 
 def get_logger(name: str = "nanodist", all_ranks: bool | None = None, level: int = logging.INFO) -> logging.Logger:
     """A logger whose lines start with `[rank R]`; only rank 0 emits unless all_ranks (or NANODIST_LOG_ALL_RANKS=1)."""
+    explicit = all_ranks
     if all_ranks is None:
         all_ranks = os.environ.get("NANODIST_LOG_ALL_RANKS", "0") not in ("", "0", "false", "False")
     logger = logging.getLogger(name)
     logger.setLevel(level)
     logger.propagate = False
-    for h in list(logger.handlers):
-        if getattr(h, "_nanodist", False):
-            logger.removeHandler(h)
+    ours = [h for h in logger.handlers if getattr(h, "_nanodist", False)]
+    if ours and explicit is None:
+        return logger  # configured already: keep the caller's choice of ranks
+    for h in ours:
+        logger.removeHandler(h)
     handler = logging.StreamHandler(sys.stdout)
     handler._nanodist = True
     handler.setFormatter(logging.Formatter("[rank %(rank)s] %(message)s"))

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .runtime import dist_info, print0
+from .runtime import dist_info, print0, synchronize
 
 
 @dataclass
@@ -103,23 +103,34 @@ class WandbLogger:
             del os.environ["WANDB_MODE"]  # wandb itself rejects an empty mode
         mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_configured() else "offline")
         try:
+            # reinit="create_new": a lab that trains several models in one process gets one run per model.
             self.run = wandb.init(project=project, config=config, name=name, mode=mode, dir=directory,
-                                  settings=wandb.Settings(silent=True, console="off"))
+                                  reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
         except Exception as e:  # a wandb outage must never stop training
             self.message = f"wandb could not start ({type(e).__name__}: {e}): training continues without it"
             print0(self.message)
             return
-        if mode == "offline":
-            self.message = f"wandb is logging offline to {self.run.dir} (run `wandb login` to log online)"
+        if mode == "offline" and not WandbLogger._said_offline:
+            WandbLogger._said_offline = True  # once per process, however many runs it opens
+            self.message = f"wandb is logging offline under {Path(self.run.dir).parents[1]} (run `wandb login` to log online)"
             print0(self.message)
+
+    _said_offline = False
 
     def log(self, values: dict, step: int) -> None:
         if self.run is not None:
-            self.run.log(values, step=step)
+            try:
+                self.run.log(values, step=step)
+            except Exception as e:  # tracking must never stop training
+                print0(f"wandb stopped logging ({type(e).__name__}: {e}); training continues")
+                self.run = None
 
     def finish(self) -> None:
         if self.run is not None:
-            self.run.finish()
+            try:
+                self.run.finish()
+            except Exception as e:
+                print0(f"wandb could not finish cleanly ({type(e).__name__}: {e})")
             self.run = None
 
 
@@ -161,8 +172,7 @@ class Trainer:
         self._wandb, self._bar = None, None
 
     def _sync_device(self) -> None:
-        if self.info.device.type == "cuda":
-            torch.cuda.synchronize(self.info.device)
+        synchronize(self.info.device)
 
     def _mean_over_ranks(self, value: float) -> float:
         if self.info.world_size == 1:

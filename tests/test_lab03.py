@@ -9,6 +9,7 @@ import pytest
 
 import nanodist as nd
 from nanodist.results import load_all
+from wandb_offline import history as wandb_history
 
 LAB = Path(__file__).resolve().parents[1] / "labs" / "lab03_ddp.py"
 SMALL = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--steps", "5", "--no-progress"]
@@ -82,3 +83,12 @@ def test_wandb_missing_or_not_logged_in_does_not_stop_the_lab(results_dir, tmp_p
     out = run_lab(SMALL + ["--impl", "single", "--wandb"], results_dir, not_logged_in)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("wandb is logging offline") == 1
+
+
+def test_wandb_gets_one_complete_run_per_implementation(results_dir, tmp_path):
+    nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--wandb"], timeout=300, echo=False,
+              env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"})
+    runs = sorted(tmp_path.rglob("run-*.wandb"))
+    assert len(runs) == 4  # single, torch, nanodist, naive: one each, from rank 0 only
+    for run in runs:
+        assert [row["_step"] for row in wandb_history(run)] == [0, 1, 2, 3, 4]
