@@ -43,7 +43,7 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--total-batch", type=int, default=None,
                    help="tokens per optimizer step (default: weak = micro-batch x seq-len x ranks; "
-                        "strong = micro-batch x seq-len x 2)")
+                        "strong = micro-batch x seq-len x 4)")
     p.add_argument("--model", choices=["tiny", "small"], default="small", help="a nanodist.model preset")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (nanodist and torch)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -54,6 +54,8 @@ def parse_args():
     p.add_argument("--timeline", action="store_true", help="record nanodist DDP's bucket timeline")
     p.add_argument("--verify", action="store_true",
                    help="also check that N ranks x micro-batch train exactly like 1 process x N micro-batches")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per rank (default 1, as torchrun sets: a 1-rank run then compares fairly)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases from rank 0 (offline unless logged in)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -66,7 +68,8 @@ def parse_args():
 def total_batch(args, world_size: int) -> int:
     if args.total_batch is not None:
         return args.total_batch
-    ranks = world_size if args.scaling == "weak" else 2
+    # Strong scaling fixes the total batch for every world size: 4 micro-batches, so 1, 2 and 4 ranks divide it.
+    ranks = world_size if args.scaling == "weak" else 4
     return args.micro_batch * args.seq_len * ranks
 
 
@@ -118,18 +121,23 @@ def summarize(impl: str, trainer) -> dict:
 
 
 def train_interleaved(impls, args, info, tokens, vocab: int) -> dict:
-    """Train every impl, alternating blocks of steps between them, so that a drift in the machine's load
-    (another program, frequency scaling) hits every implementation alike: a fair comparison in one run."""
+    """Train every impl, taking turns in blocks of steps (and rotating who goes first each round), so that a
+    drift in the machine's load (another program, frequency scaling) hits every implementation alike: a fair
+    comparison in one run. "single", the 1-rank baseline, runs on rank 0 alone while the others wait."""
     trainers = {impl: make_trainer(impl, args, info, tokens, vocab, record_timeline=args.timeline, progress=False)
-                for impl in impls}
+                for impl in impls if impl != "single" or info.is_main}
     bar = None
     if info.is_main and not args.no_progress:  # one bar for all implementations
         from tqdm.auto import tqdm
         bar = tqdm(total=len(impls) * args.steps, desc=" + ".join(impls), leave=False)
-    while any(t.step < args.steps for t in trainers.values()):
-        for t in trainers.values():
-            before = t.step
-            t.fit(max_steps=BLOCK_STEPS)
+    for round_ in range(-(-args.steps // BLOCK_STEPS)):
+        for impl in impls[round_ % len(impls):] + impls[:round_ % len(impls)]:
+            t = trainers.get(impl)
+            before = t.step if t is not None else 0
+            if t is not None:
+                t.fit(max_steps=BLOCK_STEPS)
+            if impl == "single" and info.world_size > 1:
+                dist.barrier()  # the other ranks wait out rank 0's solo block (seconds, far below the timeout)
             if bar is not None:
                 bar.update(t.step - before)
     if bar is not None:
@@ -181,7 +189,8 @@ def baseline_from_files(args, info, impl: str) -> dict | None:
     from nanodist.results import hardware_fingerprint
     host = hardware_fingerprint()["hostname"]
     same = [r for r in load_all("lab03_ddp") if r["world_size"] == 1 and r["hardware"].get("hostname") == host
-            and all(r["config"].get(k) == getattr(args, k) for k in ("model", "micro_batch", "seq_len", "scaling", "dtype"))]
+            and all(r["config"].get(k) == getattr(args, k) for k in ("model", "micro_batch", "seq_len", "scaling", "dtype", "threads"))
+            and (args.scaling == "weak" or r["config"].get("total_batch_tokens") == total_batch(args, info.world_size))]
     for r in reversed(same):
         for name in (impl, "single"):
             if name in r["metrics"].get("impls", {}):
@@ -192,6 +201,7 @@ def baseline_from_files(args, info, impl: str) -> dict | None:
 def main():
     parser, args = parse_args()
     info = nd.init(seed=args.seed)
+    torch.set_num_threads(args.threads)
     try:  # bad sizes or data: a clear message on every rank, before any training starts
         grad_accum_steps(total_batch(args, info.world_size), args.micro_batch, args.seq_len, info.world_size)
         text = load_corpus(args.data)
@@ -207,18 +217,14 @@ def main():
         parser.error("--impl single is the 1-rank reference: run it without torchrun (or use --baseline)")
     baseline = args.baseline if args.baseline is not None else args.impl == "all"
 
-    rec = Recorder("lab03_ddp", config=vars(args), info=info)
-    results = {}
+    rec = Recorder("lab03_ddp", config={**vars(args), "total_batch_tokens": total_batch(args, info.world_size)},
+                   info=info)
     if baseline and info.world_size > 1:
-        nd.print0(f"== baseline: rank 0 trains alone ({args.steps} steps) while the other ranks wait")
-        if info.is_main:
-            trainer = make_trainer("single", args, info, tokens, tok.vocab_size)
-            trainer.fit()
-            results["single"] = summarize("single", trainer)
-        dist.barrier()
+        impls = ["single"] + impls
+        nd.print0("== baseline: rank 0 trains alone, in turns with the others, while the other ranks wait")
     nd.print0(f"== {', '.join(impls)}: {info.world_size} rank(s), {args.scaling} scaling, {args.steps} steps each, "
               f"taking turns every {BLOCK_STEPS} steps")
-    results.update(train_interleaved(impls, args, info, tokens, tok.vocab_size))
+    results = train_interleaved(impls, args, info, tokens, tok.vocab_size)
 
     verified = None
     if args.verify:
@@ -229,7 +235,7 @@ def main():
     for name, r in results.items():
         nd.print0(f"{name:>8}: {r['world_size']} rank(s)  {r['tokens_per_s']:9.0f} tokens/s  "
                   f"step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
-    main_impl = impls[1] if args.impl == "all" else impls[0]
+    main_impl = "nanodist" if args.impl == "all" else args.impl
     for h in results[main_impl]["history"]:
         rec.step(**{k: v for k, v in h.items()})
     metrics = {"impls": {k: {kk: vv for kk, vv in v.items() if kk != "history"} for k, v in results.items()},
