@@ -338,16 +338,29 @@ def check_sampler_exactly_once(sampler_or_indices, dataset_len: int | None = Non
     sampler_or_indices is either every rank's list of indices (a list of lists, rank order; no communication)
     or this rank's sampler (anything iterable; then it is a collective and every rank must call it). A
     ShardedSampler is read with .indices(), which leaves its position alone, and supplies dataset_len and
-    drop_last itself. Allowed, and nothing else:
-      - drop_last: no sample twice, and exactly total - world_size * per_rank samples never seen;
-      - padding: every sample seen, and exactly the padding (world_size * per_rank - total) seen twice;
-      - equal_counts: every rank gets the same number of samples (else DDP hangs at the epoch's end).
-    Otherwise raises AssertionError naming the duplicated indices (with their ranks), the missing ones,
-    out-of-range ones and uneven counts.
+    drop_last itself. With n samples on W ranks, a distributed sampler (ShardedSampler, torch's
+    DistributedSampler) gives every rank its own share and allows, besides reading each sample once:
+      - padding (drop_last=False): every rank reads ceil(n / W) samples, so W * ceil(n / W) - n < W samples
+        are read twice to even out the shares, and every sample is seen;
+      - drop_last=True: every rank reads n // W samples, none twice, and the n - W * (n // W) < W left over
+        are never seen.
+    drop_last=None infers the mode from the total read. equal_counts=False is for a split that is uneven on
+    purpose, without padding (e.g. indices[rank::W] for evaluation, where no collective runs per batch): each
+    rank may then read n // W or ceil(n / W) samples, and every sample is still read exactly once (or dropped
+    or padded as above). With equal_counts=True (the default) unequal counts are an error: in training, the
+    ranks with more batches would wait forever in their last step's all-reduce.
+
+    Raises AssertionError naming the ranks that read the wrong number of samples, the duplicated indices
+    (with their ranks), the missing ones and out-of-range ones; ValueError for an empty list of ranks or a
+    missing or empty dataset_len.
     """
     if isinstance(sampler_or_indices, (list, tuple)) and all(isinstance(x, (list, tuple, range))
                                                              for x in sampler_or_indices):
         per_rank = [list(x) for x in sampler_or_indices]
+        if not per_rank:
+            raise ValueError("check_sampler_exactly_once got an empty list: no ranks, so nothing to check. Pass one "
+                             "list of indices per rank, in rank order (e.g. [list(s) for s in samplers]), or this "
+                             "rank's sampler on every rank.")
     else:
         sampler = sampler_or_indices
         mine = sampler.indices() if hasattr(sampler, "indices") else list(sampler)
@@ -356,6 +369,9 @@ def check_sampler_exactly_once(sampler_or_indices, dataset_len: int | None = Non
         per_rank = _all_gather_object([int(i) for i in mine], group) if _world(group) > 1 else [list(mine)]
     if dataset_len is None:
         raise ValueError("dataset_len is needed: pass the dataset's length (a ShardedSampler supplies its own)")
+    if dataset_len < 1:
+        raise ValueError(f"dataset_len={dataset_len}: an empty dataset has no epoch to check. Pass the number of "
+                         f"samples in the dataset the sampler draws from.")
     n, world = dataset_len, len(per_rank)
     counts_per_rank = tuple(len(x) for x in per_rank)
     total = sum(counts_per_rank)
@@ -364,32 +380,59 @@ def check_sampler_exactly_once(sampler_or_indices, dataset_len: int | None = Non
     for r, idx in enumerate(per_rank):
         for i in idx:
             where[i].append(r)
+    if drop_last is None:  # infer from the totals
+        drop_last = total < n
+    # What each rank may read: its share, n // W or ceil(n / W), or either one for an uneven split.
+    floor, ceil = n // world, -(-n // world)
+    lo = hi = floor if drop_last else ceil
+    if not equal_counts:
+        lo, hi = floor, ceil
+    expected_total = min(max(total, world * lo), world * hi)  # the total closest to this one that is allowed
     problems = []
     if equal_counts and len(set(counts_per_rank)) > 1:
         problems.append(f"ranks get different numbers of samples {list(counts_per_rank)}: the ranks with more "
                         f"would wait forever in the last step's all-reduce")
+    wrong = defaultdict(list)
+    for r, c in enumerate(counts_per_rank):
+        if not lo <= c <= hi:
+            wrong[c].append(r)
+    if wrong:
+        who = "; ".join(f"rank {rs[0]} reads {_count(c, 'sample')}" if len(rs) == 1 else
+                        f"{_ranks(None, rs)} read {_count(c, 'sample')} each"
+                        for c, rs in sorted(wrong.items(), key=lambda kv: kv[1]))
+        if lo != hi:
+            rule = f"{n} // {world} = {lo} or ceil({n} / {world}) = {hi} (equal_counts=False: shares may differ by one)"
+        elif floor == ceil:
+            rule = f"{n} / {world} = {lo}"
+        elif drop_last:
+            rule = (f"{n} // {world} = {lo} (drop_last: the last {_count(n - world * lo, 'sample')} dropped so "
+                    f"that the {world} shares are equal)")
+        else:
+            rule = (f"ceil({n} / {world}) = {hi} (padding: {_count(world * hi - n, 'sample')} read twice so that "
+                    f"the {world} shares are equal)")
+        problems.append(f"{who}, but a rank's share of {n} samples is {rule}")
     out_of_range = [i for i in seen if not 0 <= i < n]
     if out_of_range:
         problems.append(f"indices outside 0..{n - 1}: {_fmt(out_of_range)}")
-    if drop_last is None:  # infer from the totals
-        drop_last = total < n
     missing = [i for i in range(n) if i not in seen]
     duplicates = {i: c for i, c in seen.items() if c > 1}
     extra = sum(c - 1 for c in duplicates.values())
     if drop_last:
-        expected_missing = max(n - total, 0)
+        expected_missing = max(n - expected_total, 0)
         if duplicates:
             problems.append(_describe_duplicates(duplicates, where, "with drop_last no sample may repeat"))
         if len(missing) != expected_missing:
-            problems.append(f"{len(missing)} samples never seen where {n} - {total} read = {expected_missing} "
-                            f"should be dropped: missing {_fmt(missing)}")
+            problems.append(f"{_count(len(missing), 'sample')} never seen where drop_last leaves out {n} - "
+                            f"{expected_total} = {expected_missing}: missing {_fmt(missing)}")
     else:
-        expected_extra = max(total - n, 0)
+        expected_extra = max(expected_total - n, 0)
         if missing:
-            problems.append(f"{len(missing)} samples never seen by any rank: {_fmt(missing)}")
-        if extra != expected_extra:
+            problems.append(f"{_count(len(missing), 'sample')} never seen by any rank: {_fmt(missing)}")
+        # Too few repeats on ranks that read too few is already said; more repeats than padding never are.
+        if extra > expected_extra or (extra != expected_extra and not wrong):
             problems.append(_describe_duplicates(duplicates, where, f"{extra} repeated reads where padding "
-                                                 f"{total} read - {n} samples = {expected_extra} are expected"))
+                                                 f"{expected_total} read - {n} samples = {expected_extra} are "
+                                                 f"expected"))
     if problems:
         raise AssertionError(f"sampler does not read each of {n} samples once across {world} ranks "
                              f"(per-rank counts {list(counts_per_rank)}):\n  " + "\n  ".join(problems))
@@ -397,8 +440,12 @@ def check_sampler_exactly_once(sampler_or_indices, dataset_len: int | None = Non
                            dropped=len(missing), padded=extra)
 
 
-def _describe_duplicates(duplicates: dict, where: dict, why: str) -> str:
-    shown = sorted(duplicates)[:10]
+def _count(k: int, noun: str) -> str:
+    return f"{k} {noun}" if k == 1 else f"{k} {noun}s"
+
+
+def _describe_duplicates(duplicates: dict, where: dict, why: str, limit: int = 5) -> str:
+    shown = sorted(duplicates)[:limit]
     detail = ", ".join(f"{i} (ranks {where[i]})" for i in shown)
     more = f", ... ({len(duplicates)} in all)" if len(duplicates) > len(shown) else ""
     return f"{why}; duplicated indices: {detail}{more}" if duplicates else why

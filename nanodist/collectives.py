@@ -137,8 +137,33 @@ def _send_recv_add(outgoing, right, incoming, left, addend, result, group) -> No
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of t's memory (complex numbers as pairs of reals); t must be contiguous."""
-    return (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+    """A 1-D view of t's memory (complex numbers as pairs of reals). t must be contiguous: view, not reshape,
+    so that a non-contiguous t raises instead of returning a copy that whatever we receive would miss."""
+    return (torch.view_as_real(t) if t.is_complex() else t).view(-1)
+
+
+def _contiguous_buffer(t: torch.Tensor) -> torch.Tensor:
+    """t itself if contiguous, else a fresh row-major tensor of its shape to work in (copy it back at the end).
+
+    Not torch.empty_like: for a dense non-contiguous t (a transposed view) that keeps t's strides, and
+    flattening such a tensor makes a copy -- whatever we received into it would be lost.
+    """
+    return t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of the memory t's elements can touch."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b may share memory (e.g. one is a slice of the other): then writing a can change b."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a.device == b.device and a0 < b1 and b0 < a1
 
 
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -213,7 +238,8 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | No
                     trace: list | None = None) -> torch.Tensor:
     """Sum (or average) `tensor` over the group, in place, with a ring; returns `tensor`.
 
-    Any shape, any length (also fewer elements than ranks), any dtype torch can add. Each rank sends
+    Any shape, any length (also fewer elements than ranks), any dtype torch can add, contiguous or not
+    (a non-contiguous tensor is reduced in a contiguous copy, written back at the end). Each rank sends
     and receives 2(N-1)/N of the tensor's bytes, in 2(N-1) steps. Every rank ends with bitwise the
     same values. `trace`, if a list, gets a snapshot of this rank's buffer after every step.
     """
@@ -270,7 +296,9 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
     """Rank r's `output` = the sum (or average) over ranks of chunk r of `input`; returns `output`.
 
     Same contract as dist.reduce_scatter_tensor: input is N outputs concatenated along dim 0 (or
-    stacked). `input` is not modified. Each rank sends (N-1)/N of input's bytes, in N-1 steps.
+    stacked). `input` is not modified, except in place: `output` may be this rank's chunk of `input`
+    (e.g. `input[r * m:(r + 1) * m]`), as NCCL allows and ZeRO does. `output` may be non-contiguous (a
+    transposed view, a strided slice). Each rank sends (N-1)/N of input's bytes, in N-1 steps.
     """
     op = _op_name(op)
     rank, n, peers = _group_ranks(group)
@@ -279,22 +307,31 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
     _check_op_dtype("ring_reduce_scatter", op, input.dtype)
     _check_shapes("ring_reduce_scatter", output, input, n, "output", "input")
     inp = _flat(input.contiguous())
-    out = output if output.is_contiguous() else torch.empty_like(output)
-    m = out.numel()
+    out = _contiguous_buffer(output)
+    m = _flat(out).numel()  # elements of the flat views (a complex number is two)
     mine = lambda c: inp[c * m:(c + 1) * m]  # noqa: E731  (chunk c of this rank's input)
+    # In place, NCCL-style: `output` may be exactly this rank's chunk of `input` (ZeRO does this). Only
+    # the last step writes output, adding the arrival to that very chunk element by element, so the
+    # ring works unchanged. Any other overlap would overwrite input we still have to send or add: then
+    # we reduce from a copy of the input.
+    in_place = m > 0 and out.data_ptr() == mine(rank).data_ptr()
+    if _overlap(out, inp) and not in_place:
+        inp = inp.clone()
     right, left = peers[(rank + 1) % n], peers[(rank - 1) % n]
 
-    if n == 1:
+    if n == 1 and not in_place:
         _flat(out).copy_(inp)
     # The partial sum we forward starts as our own piece of the input, sent straight from it (no copy).
-    # Each step's arrival lands in a scratch buffer (the last one straight in `output`), gets our piece
-    # added, and is forwarded next step. Two buffers alternate: one is being sent while the next arrives.
+    # Each step's arrival lands in a scratch buffer and gets our piece added -- in the scratch buffer, to
+    # be forwarded next step, or, at the last step, straight into `output`. Two scratch buffers alternate:
+    # one is being sent while the next arrives.
     partial = None
     for step in range(n - 1):
         send, recv = ring_schedule(rank, n, "reduce-scatter", step)
         outgoing = mine(send) if step == 0 else partial
-        incoming = _flat(out) if step == n - 2 else _scratch(m, inp, slot=step % 2)
-        _send_recv_add(outgoing, right, incoming, left, addend=mine(recv), result=incoming, group=group)
+        incoming = _scratch(m, inp, slot=step % 2)
+        result = _flat(out) if step == n - 2 else incoming
+        _send_recv_add(outgoing, right, incoming, left, addend=mine(recv), result=result, group=group)
         partial = incoming
     if op == "avg":
         out.div_(n)
@@ -308,27 +345,34 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     """Every rank's `output` = all ranks' `input`s, in rank order; returns `output`.
 
     Same contract as dist.all_gather_into_tensor: output is N inputs concatenated along dim 0 (or
-    stacked). Each rank sends (N-1)/N of output's bytes, in N-1 steps.
+    stacked). In place works too: `input` may be this rank's chunk of `output` (e.g. `output[r * m:(r + 1)
+    * m]`). `output` may be non-contiguous. Each rank sends (N-1)/N of output's bytes, in N-1 steps.
     """
     rank, n, peers = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("ring_all_gather", None, output=output, input=input), input.device, group)
     _check_shapes("ring_all_gather", input, output, n, "input", "output")
     inp = _flat(input.contiguous())
-    out = output if output.is_contiguous() else torch.empty_like(output)
+    out = _contiguous_buffer(output)
     flat = _flat(out)
     m = inp.numel()
     chunks = [flat[c * m:(c + 1) * m] for c in range(n)]
+    # In place, like all_gather_into_tensor: `input` may be exactly this rank's chunk of `output`; that
+    # chunk is only ever sent, never received into. Any other overlap would let arriving chunks overwrite
+    # input before it is sent: then we send from a copy.
+    in_place = m > 0 and inp.data_ptr() == chunks[rank].data_ptr()
+    if _overlap(inp, flat) and not in_place:
+        inp = inp.clone()
     right, left = peers[(rank + 1) % n], peers[(rank - 1) % n]
 
     for step in range(n - 1):
         send, recv = ring_schedule(rank, n, "all-gather", step)
         # Step 0 sends our input itself, so copying it into our slot of output overlaps the transfer.
         requests = _post([(inp if step == 0 else chunks[send], right)], [(chunks[recv], left)], group)
-        if step == 0:
+        if step == 0 and not in_place:
             chunks[rank].copy_(inp)
         _wait(requests)
-    if n == 1:
+    if n == 1 and not in_place:
         chunks[0].copy_(inp)
     if out is not output:
         output.copy_(out)

@@ -176,6 +176,7 @@ class DDP(_SyncBase):
         self.find_unused_parameters = find_unused_parameters
         self.record_timeline = record_timeline
         self.timeline: list[dict] = []  # filled when record_timeline: one dict per bucket per step
+        self.sync_count = 0  # backward passes whose gradients were averaged (no_sync ones are not)
         self.buckets = self._build_buckets()
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         # Each parameter's slice of its bucket's buffer, shaped like the parameter: made once, reused every step.
@@ -255,6 +256,7 @@ class DDP(_SyncBase):
 
     def _finish(self) -> None:
         self._autograd_end = time.perf_counter()  # autograd is done; from here on we only wait
+        self.sync_count += 1
         # Parameters whose hook did not fire this step contribute what they hold: a gradient accumulated
         # under no_sync, or zeros. Then every remaining bucket goes out, in order.
         missing = [p for _, p in self.trainable if p not in self._used]

@@ -187,3 +187,64 @@ def test_sampler_check_names_duplicates_missing_and_uneven_counts():
         check_sampler_exactly_once([[0, 7], [1, 2]], 5, drop_last=True)
     with pytest.raises(ValueError, match="dataset_len is needed"):
         check_sampler_exactly_once(iter([1, 2]))
+
+
+def test_sampler_check_rejects_every_rank_reading_everything():
+    # The book prints this message (chapter 3): it must name the wrong counts, the share and the duplicates.
+    with pytest.raises(AssertionError) as e:
+        check_sampler_exactly_once([list(range(10))] * 3, 10)
+    msg = str(e.value)
+    assert msg.startswith("sampler does not read each of 10 samples once across 3 ranks (per-rank counts "
+                          "[10, 10, 10]):\n")
+    assert "ranks 0, 1, 2 read 10 samples each, but a rank's share of 10 samples is ceil(10 / 3) = 4" in msg
+    assert "20 repeated reads where padding 12 read - 10 samples = 2 are expected" in msg
+    assert "duplicated indices: 0 (ranks [0, 1, 2]), 1 (ranks [0, 1, 2])" in msg and "(10 in all)" in msg
+    # The same, whatever the options say: an uneven split, drop_last, or a world size that divides n.
+    with pytest.raises(AssertionError, match=r"share of 10 samples is 10 // 3 = 3 or ceil\(10 / 3\) = 4.*\n.*"
+                                             r"duplicated indices: 0 \(ranks \[0, 1, 2\]\)"):
+        check_sampler_exactly_once([list(range(10))] * 3, 10, equal_counts=False)
+    with pytest.raises(AssertionError, match=r"10 // 3 = 3 \(drop_last.*\n.*no sample may repeat; duplicated "
+                                             r"indices: 0 \(ranks \[0, 1, 2\]\)"):
+        check_sampler_exactly_once([list(range(10))] * 3, 10, drop_last=True)
+    with pytest.raises(AssertionError, match=r"ranks 0, 1 read 10 samples each, but a rank's share of 10 samples "
+                                             r"is 10 / 2 = 5\n.*duplicated indices: 0 \(ranks \[0, 1\]\)"):
+        check_sampler_exactly_once([range(10), range(10)], 10)
+    # More padding than evening out the shares needs: rank 1 re-reads 0 and 1 where one pad would do.
+    with pytest.raises(AssertionError, match=r"rank 1 reads 4 samples, but a rank's share of 5 samples is "
+                                             r"5 // 2 = 2 or ceil\(5 / 2\) = 3 \(equal_counts=False.*\n.*2 repeated "
+                                             r"reads where padding 6 read - 5 samples = 1 are expected; duplicated "
+                                             r"indices: 0 \(ranks \[0, 1\]\), 1 \(ranks \[0, 1\]\)"):
+        check_sampler_exactly_once([[0, 1, 2], [3, 4, 0, 1]], 5, equal_counts=False)
+    with pytest.raises(AssertionError, match=r"ranks 0, 1 read 3 samples each, but a rank's share of 4 samples is "
+                                             r"4 / 2 = 2\n.*2 repeated reads where padding 4 read - 4 samples = 0"):
+        check_sampler_exactly_once([[0, 1, 2], [3, 0, 1]], 4)
+
+
+def test_sampler_check_rejects_empty_input():
+    with pytest.raises(ValueError, match=r"got an empty list: no ranks.*one list of indices per rank"):
+        check_sampler_exactly_once([], 10)
+    with pytest.raises(ValueError, match=r"dataset_len=0: an empty dataset"):
+        check_sampler_exactly_once([[], []], 0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sampler_check_passes_correct_padding_and_drop_last(world):
+    """Shards built by hand as torch's DistributedSampler does: strided, padded from the front, or truncated."""
+    for n in (world, world + 1, 2 * world - 1, 10, 11):
+        ceil, floor = -(-n // world), n // world
+        padded = list(range(n)) + list(range(world * ceil - n))
+        shards = [padded[r::world] for r in range(world)]
+        for drop_last in (None, False):
+            cov = check_sampler_exactly_once(shards, n, drop_last=drop_last)
+            assert (cov.per_rank, cov.distinct, cov.dropped, cov.padded) == ((ceil,) * world, n, 0, world * ceil - n)
+        kept = list(range(world * floor))
+        for drop_last in (None, True):
+            cov = check_sampler_exactly_once([kept[r::world] for r in range(world)], n, drop_last=drop_last)
+            assert (cov.per_rank, cov.dropped, cov.padded) == ((floor,) * world, n - world * floor, 0)
+        # equal_counts=False: an uneven split without padding (evaluation), each rank n // W or ceil(n / W)
+        uneven = [list(range(r, n, world)) for r in range(world)]
+        cov = check_sampler_exactly_once(uneven, n, equal_counts=False)
+        assert (cov.distinct, cov.dropped, cov.padded) == (n, 0, 0) and set(cov.per_rank) <= {floor, ceil}
+        if ceil != floor:
+            with pytest.raises(AssertionError, match="different numbers of samples"):
+                check_sampler_exactly_once(uneven, n)

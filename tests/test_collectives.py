@@ -123,6 +123,100 @@ def _all_gather_cases(rank, ws, group=None, tag=""):
     return fails
 
 
+def _sum_of_ranks(shape, ws, dtype=torch.float32):
+    """What a sum over ws ranks gives when group rank r holds _ranked(shape, r): (r + 1) * 100 + position."""
+    return (100 * ws * (ws + 1) // 2 + ws * torch.arange(_numel(shape))).to(dtype).reshape(shape)
+
+
+def _ranked(shape, r, dtype=torch.float32):
+    return ((r + 1) * 100 + torch.arange(_numel(shape))).to(dtype).reshape(shape)
+
+
+def _numel(shape):
+    return torch.Size(shape).numel()
+
+
+def _views_and_aliases(rank, ws, group=None, tag=""):
+    """Non-contiguous outputs (torch.empty_like keeps their strides: flattening one makes a copy, and what is
+    received there is lost) and in-place calls whose output and input share memory, as ZeRO and
+    all_gather_into_tensor use them. Compared with sums computed by hand, so torch's quirks play no part."""
+    fails = []
+    me = dist.get_rank(group)  # data follow the group rank, so the expected values do too
+
+    def same(name, got, want):
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            fails.append(f"{tag}{name}: got {got.dtype} {got.tolist()}, want {want.dtype} {want.tolist()}")
+
+    m = 3
+    total = _sum_of_ranks((2 * ws, m), ws)  # the reduction of every rank's full input
+    mine = total[2 * me:2 * me + 2]
+    # reduce-scatter into a transposed view, and into every other element of a buffer
+    out = torch.full((m, 2), 7.0).t()
+    C.ring_reduce_scatter(out, _ranked((2 * ws, m), me), group=group)
+    same("ring_reduce_scatter(output transposed)", out, mine)
+    buf = torch.full((4 * m,), 7.0)
+    C.ring_reduce_scatter(buf[::2], _ranked((ws * 2 * m,), me), group=group)
+    same("ring_reduce_scatter(output strided)", buf[::2], mine.reshape(-1))
+    same("ring_reduce_scatter(output strided) left the gaps alone", buf[1::2], torch.full((2 * m,), 7.0))
+    # in place: output is this rank's chunk of input, flat or stacked; then another rank's chunk
+    for op in ("sum", "avg"):
+        div = ws if op == "avg" else 1
+        inp = _ranked((ws * m,), me)
+        before = inp.clone()
+        C.ring_reduce_scatter(inp[me * m:(me + 1) * m], inp, op=op, group=group)
+        want = before.clone()
+        want[me * m:(me + 1) * m] = _sum_of_ranks((ws * m,), ws)[me * m:(me + 1) * m] / div
+        same(f"ring_reduce_scatter(in place, op={op}): output and the rest of input", inp, want)
+    stacked = _ranked((ws, m), me)
+    C.ring_reduce_scatter(stacked[me], stacked, group=group)
+    same("ring_reduce_scatter(in place, stacked)", stacked[me], _sum_of_ranks((ws, m), ws)[me])
+    inp = _ranked((ws * m,), me)
+    other = (me + 1) % ws
+    C.ring_reduce_scatter(inp[other * m:(other + 1) * m], inp, group=group)
+    same("ring_reduce_scatter(output = another rank's chunk of input)", inp[other * m:(other + 1) * m],
+         _sum_of_ranks((ws * m,), ws)[me * m:(me + 1) * m])
+    # complex numbers travel as pairs of reals: chunk r must still be r's complex numbers
+    z = torch.complex(_ranked((ws * m,), me), -_ranked((ws * m,), me))
+    zo = torch.zeros(m, dtype=torch.complex64)
+    C.ring_reduce_scatter(zo, z, group=group)
+    s = _sum_of_ranks((ws * m,), ws)[me * m:(me + 1) * m]
+    same("ring_reduce_scatter(complex64)", zo, torch.complex(s, -s))
+
+    # all-gather into a transposed view, into a strided slice, and in place
+    everyone = torch.cat([_ranked((2, m), r) for r in range(ws)])
+    out = torch.full((m, 2 * ws), 7.0).t()
+    C.ring_all_gather(out, _ranked((2, m), me), group=group)
+    same("ring_all_gather(output transposed)", out, everyone)
+    buf = torch.full((4 * ws * m,), 7.0)
+    C.ring_all_gather(buf[::2], _ranked((2 * m,), me), group=group)
+    same("ring_all_gather(output strided)", buf[::2], everyone.reshape(-1))
+    same("ring_all_gather(output strided) left the gaps alone", buf[1::2], torch.full((2 * ws * m,), 7.0))
+    out = torch.full((2 * ws, m), 7.0)
+    out[2 * me:2 * me + 2] = _ranked((2, m), me)
+    C.ring_all_gather(out, out[2 * me:2 * me + 2], group=group)
+    same("ring_all_gather(in place: input is this rank's chunk of output)", out, everyone)
+    out = torch.full((2 * ws, m), 7.0)
+    out[:2] = _ranked((2, m), me)
+    C.ring_all_gather(out, out[:2], group=group)
+    same("ring_all_gather(input = chunk 0 of output on every rank)", out, everyone)
+
+    # all-reduce in place on every other element, and on one column of a matrix
+    for fn in ALL_REDUCES:
+        buf = torch.full((2 * 7,), 7.0)
+        buf[::2] = _ranked((7,), me)
+        fn(buf[::2], group=group)
+        want = torch.full((2 * 7,), 7.0)
+        want[::2] = _sum_of_ranks((7,), ws)
+        same(f"{fn.__name__}(strided slice)", buf, want)
+        mat = torch.full((5, 3), 7.0)
+        mat[:, 1] = _ranked((5,), me)
+        fn(mat[:, 1], group=group)
+        want = torch.full((5, 3), 7.0)
+        want[:, 1] = _sum_of_ranks((5,), ws)
+        same(f"{fn.__name__}(one column)", mat, want)
+    return fails
+
+
 def _errors(rank, ws):
     """Error cases: raised before any message is sent, so every rank can run them and carry on."""
     msgs = {}
@@ -189,6 +283,7 @@ def _subgroup(rank, ws):
     fails += _all_reduce_cases(rank, 2, group=sub, tag="[0,2] ")[0]
     fails += _reduce_scatter_cases(rank, 2, group=sub, tag="[0,2] ")
     fails += _all_gather_cases(rank, 2, group=sub, tag="[0,2] ")
+    fails += _views_and_aliases(rank, 2, group=sub, tag="[0,2] ")
     return fails
 
 
@@ -227,7 +322,7 @@ def _worker(rank, ws):
     fails += _all_gather_cases(rank, ws)
     fails += _segmented(rank, ws)
     out = {"fails": fails, "fingerprints": fingerprints, "errors": _errors(rank, ws), "mismatch": _mismatch(rank, ws),
-           "trace": _trace(rank, ws)}
+           "trace": _trace(rank, ws), "views": _views_and_aliases(rank, ws)}
     if ws == 3:
         out["subgroup"] = _subgroup(rank, ws)
     dist.barrier()
@@ -252,6 +347,12 @@ def test_equal_to_torch(runs):
     ws, outs = runs
     fails = [f"rank {r}: {f}" for r, out in enumerate(outs) for f in out["fails"]]
     assert not fails, f"{len(fails)} cases differ from torch.distributed:\n" + "\n".join(fails[:20])
+
+
+def test_non_contiguous_outputs_and_in_place_calls(runs):
+    ws, outs = runs
+    fails = [f"rank {r}: {f}" for r, out in enumerate(outs) for f in out["views"]]
+    assert not fails, f"{len(fails)} cases differ from the sums computed by hand:\n" + "\n".join(fails[:20])
 
 
 def test_every_rank_ends_with_the_same_bits(runs):

@@ -97,3 +97,31 @@ def test_wandb_offline_logs_every_step_from_rank0_only(tmp_path, monkeypatch):
     assert [round(r["loss"], 6) for r in rows] == losses0
     assert all("tokens_per_s" in r and "lr" in r for r in rows)
     assert [("loss_all_ranks" in r) for r in rows] == [m is not None for m in mean0] == [True, False, True, False, True]
+
+
+def accumulation_worker(rank, world):
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    torch.manual_seed(0)
+    model = nd.DDP(GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16)))
+    stream = TokenStream(torch.tensor(tok.encode(text)), batch_size=2, block_size=16, shuffle=False)
+    cfg = TrainConfig(steps=3, total_batch_tokens=8 * 16, micro_batch=2, seq_len=16, progress=False, log_every=0,
+                      warmup_steps=1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), stream, cfg)
+    trainer.fit()
+    return trainer.grad_accum, model.sync_count, [p.detach().clone() for p in model.module.parameters()]
+
+
+@pytest.mark.dist
+def test_ddp_accumulation_syncs_once_per_step_and_equals_one_process():
+    """2 ranks x 2 micro-steps (the first under no_sync) == 1 process x 4 micro-steps, on the same 8 windows."""
+    (accum, syncs, params), _ = spawn(accumulation_worker, 2, timeout=120)
+    assert accum == 2 and syncs == 3  # one gradient synchronisation per optimizer step, not per micro-step
+    single, stream = tiny_setup(2)
+    cfg = TrainConfig(steps=3, total_batch_tokens=8 * 16, micro_batch=2, seq_len=16, progress=False, log_every=0,
+                      warmup_steps=1)
+    trainer = Trainer(single, torch.optim.SGD(single.parameters(), lr=0.5), stream, cfg)
+    trainer.fit()
+    assert trainer.grad_accum == 4
+    for p, q in zip(params, single.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
