@@ -193,7 +193,24 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
     if not timeout or timeout <= 0:
         raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
     script = resolve_script(script)
-    run_id, port = new_run_id() if "NANODIST_RUN_ID" not in (env or {}) else env["NANODIST_RUN_ID"], free_port()
+    for attempt in range(3):
+        try:
+            return _launch_once(script, nproc, list(args), timeout, nnodes, env, echo, port=free_port())
+        except LaunchError as e:
+            # free_port() released the port before torchrun could bind it: another program may have taken it
+            # in between. Rare, and then the job never started: try again on another port.
+            if attempt == 2 or isinstance(e, LaunchTimeout) or not _PORT_TAKEN.search(e.output):
+                raise
+            if echo:
+                print(f"[launch] port was taken before torchrun could use it; retrying on another", flush=True)
+
+
+_PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+
+
+def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: int, env: dict | None, echo: bool,
+                 port: int) -> LaunchResult:
+    run_id = new_run_id() if "NANODIST_RUN_ID" not in (env or {}) else env["NANODIST_RUN_ID"]
     child_env = dict(os.environ)
     child_env.update({
         "PYTHONUNBUFFERED": "1",
@@ -204,7 +221,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
         "NANODIST_RESULTS_DIR": str(results_dir()),
     })
     child_env.update({k: str(v) for k, v in (env or {}).items()})
-    commands = _agent_commands(script, nproc, nnodes, port, run_id, list(args))
+    commands = _agent_commands(script, nproc, nnodes, port, run_id, args)
 
     lines: queue.Queue = queue.Queue()
     agents: list[subprocess.Popen] = []

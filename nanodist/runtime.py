@@ -51,7 +51,7 @@ class DistInfo:
 
     @property
     def data_seed(self) -> int:
-        """A seed that differs on every rank (data order, augmentation, dropout noise)."""
+        """A seed that differs on every rank, for data order and augmentation (use it in a generator of its own)."""
         return self.seed * _DATA_SEED_STRIDE + self.rank + 1
 
     @property

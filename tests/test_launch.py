@@ -113,6 +113,24 @@ def test_concurrent_launches_get_different_ports(results_dir):
     assert [r.results["metrics"]["rank_sum"] for r in runs] == [1.0, 1.0]
 
 
+def test_a_port_taken_before_torchrun_binds_it_is_retried(results_dir, monkeypatch):
+    import importlib
+    import socket
+    launch_module = importlib.import_module("nanodist.launch")  # the module, not the function
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    ports = iter([taken])
+    real = launch_module.free_port
+    monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real())
+    try:
+        run = nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120, echo=False)
+    finally:
+        squatter.close()
+    assert run.port != taken and run.results["metrics"]["rank_sum"] == 1.0
+
+
 def test_bad_arguments_fail_before_starting_anything():
     with pytest.raises(ValueError, match="nproc must be a positive integer"):
         nd.launch(SCRIPTS / "ok.py", nproc=0)
