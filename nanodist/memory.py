@@ -109,22 +109,43 @@ def _storage_key(t: torch.Tensor):
     return (t.device, t.untyped_storage().data_ptr())
 
 
-def tensor_bytes(tensors, seen: set | None = None) -> int:
-    """Bytes of the distinct storages behind `tensors` (a storage shared by several tensors counts once).
+def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of its storage that a tensor spans (strided views included), or None if empty."""
+    if t.numel() == 0:
+        return None
+    start = t.storage_offset() * t.element_size()
+    elements = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + elements * t.element_size()
 
-    Meta tensors hold no memory and count 0. `seen` (a set) carries storages already counted elsewhere.
+
+def _add_range(ranges: list, new: tuple[int, int]) -> int:
+    """Add a byte range to a storage's disjoint, sorted ranges; return how many bytes were not counted yet."""
+    s, e = new
+    overlap = sum(max(0, min(b, e) - max(a, s)) for a, b in ranges)
+    keep = [(a, b) for a, b in ranges if b < s or a > e]
+    for a, b in ranges:
+        if not (b < s or a > e):
+            s, e = min(a, s), max(b, e)
+    ranges[:] = sorted(keep + [(s, e)])
+    return (new[1] - new[0]) - overlap
+
+
+def tensor_bytes(tensors, seen: dict | None = None) -> int:
+    """Bytes the `tensors` occupy: memory viewed by several tensors counts once.
+
+    What counts is the bytes each tensor views, not the whole storage behind it: DDP's gradients are views
+    into bucket buffers that also hold a bookkeeping element, and a buffer's padding is nobody's gradient.
+    Meta tensors hold no memory and count 0. `seen` (a dict) carries byte ranges already counted elsewhere.
     """
-    seen = set() if seen is None else seen
+    seen = {} if seen is None else seen
     total = 0
     for t in tensors:
         t = _local(t)
         if t is None or t.device.type == "meta":
             continue
-        key = _storage_key(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
+        span = _byte_range(t)
+        if span is not None:
+            total += _add_range(seen.setdefault(_storage_key(t), []), span)
     return total
 
 
@@ -154,7 +175,7 @@ def measure_memory(model: torch.nn.Module, optimizer=None) -> MemoryReport:
     Accepts a DDP-wrapped or a sharded model (DTensor parameters count their local shard). Gradients are the
     parameters' .grad plus `optimizer.gradient_buffers()` (DistAdamW/DistMuon's averaged shards at stage 2).
     """
-    seen: set = set()
+    seen: dict = {}
     params = list(model.parameters())
     param_bytes = tensor_bytes(params, seen)
     grads = [p.grad for p in params if p.grad is not None]
@@ -205,3 +226,98 @@ def memory_table(runs: list[dict], param_bytes: float = 4, grad_bytes: float = 4
         row["total_measured"] = run["params"] + run["grads"] + run["optimizer_state"]
         rows.append(row)
     return rows
+
+
+# ----------------------------------------------------------------------------- estimates and the calculator
+
+# Bytes per parameter of each kind, by training precision. "mixed" is the ZeRO paper's setting: bf16/fp16 weights
+# and gradients for the forward and backward passes, an fp32 master copy and fp32 optimizer state for the update.
+PRECISIONS = {
+    "mixed": dict(param_bytes=2, grad_bytes=2, state_bytes=4, master_bytes=4),
+    "fp32": dict(param_bytes=4, grad_bytes=4, state_bytes=4, master_bytes=0),  # what the lab runs on CPU
+    "bf16": dict(param_bytes=2, grad_bytes=2, state_bytes=2, master_bytes=0),  # pure bf16: no master copy
+}
+OPTIMIZERS = ("adamw", "muon", "sgd-momentum", "sgd")
+
+
+def bytes_per_param(precision: str = "mixed", optimizer: str = "adamw") -> dict:
+    """The byte counts `zero_memory_bytes` takes, for a training precision and an optimizer.
+
+        bytes_per_param("mixed", "adamw") == {"param_bytes": 2, "grad_bytes": 2, "optim_bytes_per_param": 12}
+        bytes_per_param("fp32", "adamw")  == {"param_bytes": 4, "grad_bytes": 4, "optim_bytes_per_param": 8}
+
+    A master copy is only kept by an optimizer that has one to keep: plain SGD in mixed precision still
+    holds it (4 bytes), so "sgd" costs 4 there and 0 in fp32.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    p = PRECISIONS[precision]
+    return {"param_bytes": p["param_bytes"], "grad_bytes": p["grad_bytes"],
+            "optim_bytes_per_param": optimizer_bytes_per_param(optimizer, p["state_bytes"], p["master_bytes"])}
+
+
+def memory_estimate_table(num_params: float, world_sizes=(1, 8, 64), stages=STAGES, precision: str = "mixed",
+                          optimizer: str = "adamw", unit: float = 1e9) -> Table:
+    """Per-rank memory of the model states from `zero_memory_bytes`, one row per (world size, stage).
+
+    Values in `unit` bytes (GB by default, as the ZeRO paper), rounded to 2 decimals; `vs_ddp` is the total
+    divided by stage 0's at the same world size.
+    """
+    per = bytes_per_param(precision, optimizer)
+    rows = Table()
+    for n in world_sizes:
+        ddp = zero_memory_bytes(num_params, n, 0, **per)["total"]
+        for s in stages:
+            f = zero_memory_bytes(num_params, n, s, **per)
+            rows.append({"world_size": n, "stage": s, **{k: round(v / unit, 2) for k, v in f.items()},
+                         "vs_ddp": round(f["total"] / ddp, 3) if ddp else None})
+    return rows
+
+
+def memory_calculator(num_params: float = 7e9, world_size: int = 8, stage: int = 2, precision: str = "mixed",
+                      optimizer: str = "adamw"):
+    """An ipywidgets calculator of per-rank memory: sliders for parameters, world size, ZeRO stage, precision
+    and optimizer, and the table of `memory_estimate_table` (GB per rank) for the choice and for DDP.
+
+    Display the returned widget in JupyterLab or Jupyter Notebook; it needs a live kernel to react. Its text
+    form (a terminal, nbval) is a one-line summary of the initial choice.
+    """
+    import ipywidgets as w
+
+    # Clear errors for bad arguments, before any widget exists.
+    zero_memory_bytes(num_params, int(world_size), stage, **bytes_per_param(precision, optimizer))
+    sizes = sorted({2**k for k in range(13)} | {int(world_size)})
+    controls = {
+        "params": w.FloatLogSlider(value=num_params, base=10, min=6, max=12.5, step=0.01, description="parameters",
+                                   readout_format=".3s", continuous_update=False),
+        "world": w.SelectionSlider(options=sizes, value=int(world_size), description="world size",
+                                   continuous_update=False),
+        "stage": w.IntSlider(value=stage, min=0, max=3, description="ZeRO stage", continuous_update=False),
+        "precision": w.ToggleButtons(options=list(PRECISIONS), value=precision, description="dtype"),
+        "optimizer": w.ToggleButtons(options=list(OPTIMIZERS), value=optimizer, description="optimizer"),
+    }
+    result = w.HTML()
+
+    def summary() -> str:  # short: ipywidgets cuts a widget's text form at 110 characters
+        c = {k: v.value for k, v in controls.items()}
+        total = zero_memory_bytes(c["params"], c["world"], c["stage"],
+                                  **bytes_per_param(c["precision"], c["optimizer"]))["total"]
+        return (f"{c['params']:.3g} params, {c['world']} ranks, stage {c['stage']}, {c['precision']} "
+                f"{c['optimizer']}: {total / 1e9:.2f} GB per rank")
+
+    def update(_=None) -> None:
+        c = {k: v.value for k, v in controls.items()}
+        table = memory_estimate_table(c["params"], [c["world"]], sorted({0, c["stage"]}), c["precision"],
+                                      c["optimizer"])
+        result.value = (f"<p>{summary()} (parameters, gradients and optimizer state)</p>" + table._repr_html_()
+                        + "<p>GB = 10<sup>9</sup> bytes; activations come on top.</p>")
+
+    for control in controls.values():
+        control.observe(update, names="value")
+    update()
+
+    class MemoryCalculator(w.VBox):
+        def __repr__(self) -> str:
+            return f"memory calculator: {summary()}"
+
+    return MemoryCalculator(list(controls.values()) + [result])

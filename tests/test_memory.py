@@ -41,6 +41,16 @@ def test_optimizer_bytes_per_param():
         zero_memory_bytes(10, 2, 4)
 
 
+def test_tensor_bytes_counts_viewed_bytes_once():
+    buffer = torch.zeros(11)  # e.g. a DDP bucket: two gradients and one bookkeeping element
+    grads = [buffer[:4].view(2, 2), buffer[4:10]]
+    assert tensor_bytes(grads) == 40
+    assert tensor_bytes(grads + [buffer[2:6]]) == 40  # overlapping views count once
+    assert tensor_bytes([buffer[::2]]) == 44  # a strided view spans the bytes between its elements
+    seen = {}
+    assert tensor_bytes([buffer[:4]], seen) == 16 and tensor_bytes([buffer[:8]], seen) == 16
+
+
 def test_tensor_bytes_counts_a_shared_storage_once():
     a = torch.zeros(10)
     assert tensor_bytes([a, a[2:5], a.view(2, 5)]) == 40
