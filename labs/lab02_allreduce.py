@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 labs/lab02_allreduce.py                          # 4 KB .. 64 MB
     torchrun --nproc_per_node=2 labs/lab02_allreduce.py --max-bytes 1M --repeats 3
+    torchrun --nproc_per_node=4 labs/lab02_allreduce.py --demo                   # what each collective does
     run = nanodist.launch("lab02_allreduce", nproc=2); run.results["metrics"]    # from a notebook
 
 For each message size S: --warmup untimed calls of each op, then --repeats rounds in which every op is
@@ -14,6 +15,10 @@ busbw is what each rank's link carried per second: comparable across ops and wor
 the memcpy bandwidth measured alongside (one large tensor copy), this machine's physical reference.
 The results record holds every measurement (metrics["sweep"]), alpha-beta fits (nanodist.costmodel)
 and the two ratios the chapter discusses, printed last.
+
+--demo measures nothing: it runs each collective once on small integer tensors (broadcast, reduce,
+all-reduce, reduce-scatter, all-gather, all-to-all), a barrier, and an async all-reduce read before its
+wait(), and records every rank's buffers before and after (metrics["demo"]) -- the chapter's pictures.
 """
 import argparse
 import math
@@ -80,6 +85,9 @@ def get_args(argv=None):
     p.add_argument("--ops", type=parse_ops, default=list(OPS), help=f"comma-separated, from: {', '.join(OPS)}")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--demo", action="store_true",
+                   help="instead of the sweep: run each collective once on small integer tensors and record every "
+                        "rank's buffers before and after (metrics['demo'])")
     args = p.parse_args(argv)
     if not 1 <= args.min_bytes <= args.max_bytes:
         p.error(f"need 1 <= --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}")
@@ -117,11 +125,115 @@ def timed(fns: dict, repeats: int, warmup: int, device: torch.device) -> dict[st
     return dict(zip(times, t.tolist()))
 
 
+# ----------------------------------------------------------------------------- --demo
+
+BARRIER_WORK_S = 0.05  # in the barrier demo, rank r "works" r * this long before it arrives
+ASYNC_NUMEL = 2**22    # 16 MB of float32: an all-reduce long enough to catch it half done
+
+
+def demo(info) -> dict:
+    """Each collective once; {name: {"before", "after"}} of this rank, plus its barrier and async timings.
+
+    Rank r starts from [10r, 10r+1, ..., 10r+n-1]: the tens digit says whose number it is (n <= 10).
+    The reduce-scatter's output is the all-gather's input: the two together are an all-reduce.
+    """
+    n, rank, dev = info.world_size, info.rank, info.device
+    mine = torch.arange(n, device=dev) + 10 * rank  # int64: sums are exact, pictures readable
+    t, shard, full = mine.clone(), mine.new_empty(1), mine.new_empty(n)
+    out = {}
+    for name, before, call, after in [
+        ("broadcast", mine, lambda: dist.broadcast(t.copy_(mine), src=0), t),
+        ("reduce", mine, lambda: dist.reduce(t.copy_(mine), dst=0), t),
+        ("all_reduce", mine, lambda: dist.all_reduce(t.copy_(mine)), t),
+        ("reduce_scatter", mine, lambda: _reduce_scatter(shard, mine), shard),
+        ("all_gather", shard, lambda: _all_gather(full, shard), full),
+        ("all_to_all", mine, lambda: dist.all_to_all_single(full, mine), full),
+    ]:
+        was = before.tolist()
+        call()
+        out[name] = {"before": was, "after": after.tolist()}
+
+    # Wall-clock times, so that ranks on one machine share a clock (across machines: as well as theirs agree).
+    dist.barrier()
+    start = time.time()
+    time.sleep(BARRIER_WORK_S * rank)
+    arrive = time.time()
+    dist.barrier()
+    out["barrier"] = {"work_ms": 1e3 * BARRIER_WORK_S * rank, "start_s": start, "arrive_s": arrive,
+                      "leave_s": time.time()}
+
+    big = torch.full((ASYNC_NUMEL,), float(rank + 1), device=dev)
+    final = n * (n + 1) / 2
+    work = dist.all_reduce(big, async_op=True)  # returns at once; the reduction runs in the background
+    done_early = work.is_completed()
+    reads = []  # reading before wait(), at once and then until it completes: [share still original, share final]
+    while len(reads) < 100:
+        seen = big.clone()  # one snapshot per read, so that both shares describe the same moment
+        reads.append([(seen == rank + 1).float().mean().item(), (seen == final).float().mean().item()])
+        if work.is_completed():
+            break
+    work.wait()
+    rs_work = _reduce_scatter(shard, mine, async_op=True)
+    try:
+        rs_work.get_future()
+        future = "available"
+    except RuntimeError as e:  # gloo's reduce-scatter is an all-reduce plus a copy, wrapped without a future
+        future = f"RuntimeError: {e}"
+    rs_work.wait()
+    out["async"] = {"completed_at_once": done_early, "reads": reads, "original_before_wait": reads[0][0],
+                    "final_before_wait": reads[0][1], "completed_after_wait": work.is_completed(),
+                    "correct_after_wait": bool((big == final).all()), "reduce_scatter_get_future": future}
+    return out
+
+
+DEMO_CALLS = {  # in the order demo() runs them
+    "broadcast": "dist.broadcast(t, src=0)", "reduce": "dist.reduce(t, dst=0)", "all_reduce": "dist.all_reduce(t)",
+    "reduce_scatter": "dist.reduce_scatter_tensor(out, t)", "all_gather": "dist.all_gather_into_tensor(out, t)",
+    "all_to_all": "dist.all_to_all_single(out, t)",
+}
+
+
+def run_demo(info, rec: Recorder) -> None:
+    """Gather every rank's demo() on rank 0 and record it by collective: before/after lists indexed by rank."""
+    mine = demo(info)
+    everyone = [None] * info.world_size if info.is_main else None
+    dist.gather_object(mine, everyone, dst=0)
+    if not info.is_main:
+        return
+    by_name = {name: {"call": call, "reduces": name in ("reduce", "all_reduce", "reduce_scatter"),
+                      "before": [r[name]["before"] for r in everyone], "after": [r[name]["after"] for r in everyone],
+                      # after dist.reduce only the root's buffer is defined; the others hold scratch
+                      "defined": [name != "reduce" or r == 0 for r in range(info.world_size)]}
+               for name, call in DEMO_CALLS.items()}
+    per_rank = lambda part: {k: [r[part][k] for r in everyone] for k in everyone[0][part]}  # noqa: E731
+    b = per_rank("barrier")
+    t0 = min(b["start_s"])  # the first rank out of the previous barrier
+    ms = lambda key: [1e3 * (t - t0) for t in b[key]]  # noqa: E731
+    rec.metrics["sweep"] = []  # no measurements in this run
+    rec.metrics["demo"] = {"world_size": info.world_size, "values": "10 * rank + index", "collectives": by_name,
+                           "barrier": {"call": "dist.barrier()", "work_ms": b["work_ms"], "start_ms": ms("start_s"),
+                                       "arrive_ms": ms("arrive_s"), "leave_ms": ms("leave_s")},
+                           "async": {"call": "dist.all_reduce(t, async_op=True)", "numel": ASYNC_NUMEL,
+                                     **per_rank("async")}}
+    for name, d in by_name.items():
+        print(d["call"])
+        for r, (was, now) in enumerate(zip(d["before"], d["after"])):
+            print(f"  rank {r}: {was} -> {now}" + ("" if d["defined"][r] else "  (not defined: scratch)"))
+    bar = rec.metrics["demo"]["barrier"]
+    print("dist.barrier(): arrived at " + ", ".join(f"{t:.0f}" for t in bar["arrive_ms"]) + " ms; left at "
+          + ", ".join(f"{t:.0f}" for t in bar["leave_ms"]) + " ms")
+
+
 def main():
     args = get_args()
     info = nanodist.init(seed=args.seed)
     n, dev, dtype = info.world_size, info.device, DTYPES[args.dtype]
     rec = Recorder("lab02_allreduce", config=vars(args))
+    if args.demo:
+        run_demo(info, rec)
+        rec.save()
+        nanodist.shutdown()
+        return
     elem = torch.empty(0, dtype=dtype).element_size()
     swept = sizes(args.min_bytes, args.max_bytes)
     bar = tqdm(total=len(swept), desc="lab02", unit="size", disable=not (info.is_main and sys.stderr.isatty()))

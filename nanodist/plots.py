@@ -175,23 +175,48 @@ def collectives_panels(collectives: dict, names: list[str], ncols: int = 2):
 def barrier_timeline(entry: dict, ax=None):
     """lab02 --demo's barrier: each rank works for a while, then waits in dist.barrier() until the last arrives."""
     arrive, leave = entry["arrive_ms"], entry["leave_ms"]
+    start = entry.get("start_ms") or [0.0] * len(arrive)
     n = len(arrive)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 0.6 + 0.45 * n))
     for r in range(n):
         y = n - 1 - r
-        ax.barh(y, arrive[r], color=PALETTE[r % len(PALETTE)], height=0.6)
-        if arrive[r] > 0.15 * max(leave):
-            ax.text(arrive[r] / 2, y, "working", ha="center", va="center", color="white", fontsize=8)
+        ax.barh(y, arrive[r] - start[r], left=start[r], color=PALETTE[r % len(PALETTE)], height=0.6)
+        if arrive[r] - start[r] > 0.15 * max(leave):
+            ax.text((start[r] + arrive[r]) / 2, y, "working", ha="center", va="center", color="white", fontsize=8)
         ax.barh(y, leave[r] - arrive[r], left=arrive[r], color="#EEEEEE", edgecolor="#999999", hatch="...",
                 height=0.6, label="waiting in dist.barrier()" if r == 0 else None)
     ax.axvline(max(arrive), color="#555555", lw=1, ls="--")
     ax.text(max(arrive), n - 0.45, "the last rank arrives ", ha="right", fontsize=8, va="bottom", color="#555555")
     ax.set_yticks(range(n), [f"rank {n - 1 - i}" for i in range(n)])
     ax.set_ylim(-0.5, n + 0.2)
-    ax.set_xlabel("ms since the ranks left the previous barrier")
+    ax.set_xlabel("ms since the first rank left the previous barrier")
     ax.set_title(entry.get("call", "dist.barrier()"), fontsize=10, family="monospace")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
+def async_reads(entry: dict, ax=None):
+    """lab02 --demo's async all-reduce read before wait(): at each read, the share of the tensor still holding
+    the rank's original value (dashed) and already holding the final sum (solid); the rest are partial sums."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.2))
+    handles = []
+    for r, reads in enumerate(entry["reads"]):
+        x = range(1, len(reads) + 1)
+        color = PALETTE[r % len(PALETTE)]
+        ax.plot(x, [100 * f for _, f in reads], "o-", color=color, ms=5)
+        ax.plot(x, [100 * o for o, _ in reads], "s--", color=color, ms=4, lw=1, alpha=0.7)
+        handles.append(Line2D([], [], color=color, marker="o", label=f"rank {r}"))
+    handles += [Line2D([], [], color="#555555", marker="o", label="holds the final sum"),
+                Line2D([], [], color="#555555", marker="s", ls="--", lw=1, label="still the original value")]
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="read number (read 1: right after the call returned)", ylabel="% of the tensor", ylim=(-5, 105))
+    ax.set_title(f"reads before wait(): {entry.get('call', 'an async all-reduce')}", fontsize=10)
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
 
@@ -287,5 +312,158 @@ def bandwidth(rows: list[dict], ops: list[str] | None = None, memcpy_GBps: float
     ax.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title=title)
     ax.grid(True, which="major", color="#EEEEEE")
     ax.legend(fontsize=8, loc="lower right")
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
+# ----------------------------------------------------------------------------- chapter 4: ZeRO
+
+def zero_pipeline(toy: dict, fmt: str = "{:.2f}"):
+    """One DistAdamW step, every rank's buffers, from lab04 --record-pipeline's metrics["pipeline"]["toy"].
+
+    Four panels, top to bottom: each rank's local gradient; after the reduce-scatter, the averaged gradient of
+    the slice it owns; after AdamW, its copy of the parameters with that slice updated (the rest, greyed, still
+    old); after the all-gather, the whole updated parameters. A cell's colour is the rank that computed it;
+    dark grey is an average over all ranks. Returns the Axes.
+    """
+    ranks, names = toy["ranks"], toy["names"]
+    W, sizes = len(ranks), [len(b) for b in toy["before"]]
+
+    def show(v: float) -> str:
+        text = fmt.format(v)
+        return text.lstrip("-") if text.strip("-0.") == "" else text  # no "-0.00"
+
+    w, gap, rows_gap = 1.45, 0.7, 1.9
+    x0 = [sum(sizes[:k]) * w + k * gap for k in range(len(sizes))]
+    width = x0[-1] + sizes[-1] * w
+    owner = [[None] * n for n in sizes]  # owner[k][i]: the rank that updates element i of parameter k
+    for r, entries in enumerate(ranks):
+        for k, e in enumerate(entries):
+            if e["piece"] is not None:
+                a, n = e["piece"]
+                for i in range(a, a + n):
+                    owner[k][i] = r
+    titles = ["1. backward: each rank's local gradient, from its own batch",
+              "2. reduce-scatter: each rank receives the average over ranks of its slice only",
+              "3. AdamW on the slice: exp_avg and exp_avg_sq exist for these elements only (grey: not yet updated)",
+              "4. all-gather: every rank receives every updated slice"]
+    panel_h = W + rows_gap
+    height = 4 * panel_h + 1.2
+    _, ax = plt.subplots(figsize=(0.36 * (width + 2.6), 0.36 * height))
+    blank = dict(fc="white", ec="#CCCCCC", lw=0.8)
+    for p in range(4):
+        top = height - 1.2 - p * panel_h - rows_gap + 0.6  # y of the panel's top edge
+        ax.text(-2.2, top + 0.35, titles[p], ha="left", va="bottom", fontsize=9, color="#333333")
+        for r in range(W):
+            y = top - 1 - r
+            ax.text(-0.25, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=8)
+            for k, e in enumerate(ranks[r]):
+                a, n = e["piece"] if e["piece"] is not None else (0, 0)
+                for i in range(sizes[k]):
+                    x, mine = x0[k] + i * w, a <= i < a + n
+                    if p == 0:
+                        _cell(ax, x, y, show(e["grad"][i]), PALETTE[r % len(PALETTE)], w=w, fontsize=7)
+                    elif p == 1:
+                        if mine:
+                            _cell(ax, x, y, show(e["grad_shard"][i - a]), REDUCED, w=w, fontsize=7)
+                        else:
+                            _cell(ax, x, y, "", w=w, **blank)
+                    elif p == 2:
+                        if mine:
+                            _cell(ax, x, y, show(e["updated_shard"][i - a]), PALETTE[r % len(PALETTE)], w=w,
+                                  fontsize=7)
+                        else:
+                            _cell(ax, x, y, show(toy["before"][k][i]), tc="#AAAAAA", w=w, fontsize=7, **blank)
+                    else:
+                        o = owner[k][i]
+                        _cell(ax, x, y, show(e["param"][i]), PALETTE[o % len(PALETTE)] if o is not None
+                              else "#AAAAAA", w=w, fontsize=7)
+    head = height - 0.55
+    for k, name in enumerate(names):
+        shape = "×".join(map(str, ranks[0][k]["shape"])) or "scalar"
+        ax.text(x0[k] + sizes[k] * w / 2, head, f"{name} ({shape})", ha="center", va="bottom", fontsize=9)
+    ax.set_xlim(-2.3, width + 0.2)
+    ax.set_ylim(-0.2, height + 0.2)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return ax
+
+
+def newton_schulz_steps(result: dict, ax=None):
+    """Singular values after each Newton-Schulz iteration, from nanodist.optim.newton_schulz_singular_values."""
+    import numpy as np
+    steps = np.array([[float(v) for v in s] for s in result["per_step"]])  # (iterations + 1, k)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.axhspan(0.5, 1.5, color="#EEEEEE", zorder=0, label="where Muon wants them: about 1")
+    cmap = plt.get_cmap("viridis")
+    k = steps.shape[1]
+    for j in range(k):
+        ax.plot(range(len(steps)), steps[:, j], "o-", ms=3, color=cmap(j / max(k - 1, 1)),
+                label="singular values (dark: largest, light: smallest)" if j == 0 else None)
+    ax.set_yscale("log")
+    ax.set(xlabel="Newton-Schulz iterations", ylabel="singular value", xticks=range(len(steps)),
+           title="orthogonalising a matrix: every direction pushed towards size 1")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
+def muon_deal(owned: list[list[dict]], ax=None):
+    """Which matrices each rank's DistMuon updates, as stacked bars of their sizes (lab04 --record-pipeline's
+    metrics["pipeline"]["muon"]["owned"]: per rank, dicts with name and numel). Colour: the kind of matrix."""
+    kinds = list(dict.fromkeys(m["name"].split(".", 2)[-1].rsplit(".", 1)[0] for ms in owned for m in ms))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.9 + 0.55 * len(owned)))
+    seen = set()
+    for r, ms in enumerate(owned):
+        left = 0
+        for m in sorted(ms, key=lambda m: -m["numel"]):
+            kind = m["name"].split(".", 2)[-1].rsplit(".", 1)[0]
+            color = PALETTE[kinds.index(kind) % len(PALETTE)]
+            ax.barh(r, m["numel"], left=left, color=color, edgecolor="white", height=0.7,
+                    label=kind if kind not in seen else None)
+            seen.add(kind)
+            block = m["name"].split(".")[1] if m["name"].startswith("blocks.") else ""
+            ax.text(left + m["numel"] / 2, r, block, ha="center", va="center", color="white", fontsize=7)
+            left += m["numel"]
+    ax.set_yticks(range(len(owned)), [f"rank {r}" for r in range(len(owned))])
+    ax.invert_yaxis()
+    ax.set_xlabel("elements of the matrices this rank orthogonalises and updates (numbers: the block)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
+def zero_memory(rows: list[dict], ax=None, unit: float = 2**20, unit_name: str = "MiB"):
+    """Measured bytes per rank (parameters, gradients, optimizer state stacked), grouped by world size and ZeRO
+    stage, with the formula's total as a black tick. Rows as nanodist.memory.memory_table makes them."""
+    sizes = sorted({r["world_size"] for r in rows})
+    stages = sorted({r["stage"] for r in rows})
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.5 + 0.75 * len(sizes) * len(stages), 3.8))
+    kinds = [("params", "parameters"), ("grads", "gradients"), ("optimizer_state", "optimizer state")]
+    ticks, labels = [], []
+    for g, n in enumerate(sizes):
+        for j, s in enumerate(stages):
+            row = next((r for r in rows if r["world_size"] == n and r["stage"] == s), None)
+            if row is None:
+                continue
+            x = g * (len(stages) + 1) + j
+            bottom = 0.0
+            for c, (key, label) in enumerate(kinds):
+                v = row[f"{key}_measured"] / unit
+                ax.bar(x, v, bottom=bottom, color=PALETTE[c], width=0.8, label=label if (g, j) == (0, 0) else None)
+                bottom += v
+            ax.plot([x - 0.4, x + 0.4], [row["total_formula"] / unit] * 2, color="black", lw=2,
+                    label="formula (total)" if (g, j) == (0, 0) else None)
+            ticks.append(x)
+            labels.append(f"stage {s}")
+        ax.text(g * (len(stages) + 1) + (len(stages) - 1) / 2, -0.1, f"{n} rank{'s' if n > 1 else ''}",
+                ha="center", va="top", transform=ax.get_xaxis_transform(), fontsize=9)
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylabel(f"{unit_name} per rank")
+    ax.set_title("model states per rank: measured (bars) and ZeRO's formula (ticks)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return ax

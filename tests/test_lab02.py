@@ -80,3 +80,46 @@ def test_arguments():
     with pytest.raises(SystemExit):
         lab.get_args(["--min-bytes", "1M", "--max-bytes", "4K"])
     assert lab.busbw_factor("all_reduce", 4) == 1.5 and lab.busbw_factor("all_gather", 4) == 0.75
+
+
+@pytest.mark.dist
+def test_demo_records_every_ranks_buffers(tmp_path):
+    """--demo at world size 3: each collective's before/after buffers, against values computed here by hand."""
+    n = 3
+    run = nanodist.launch("lab02_allreduce", nproc=n, args=["--demo"], env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+                          echo=False, timeout=180)
+    rec = run.results
+    assert rec["config"]["demo"] is True and rec["world_size"] == n and rec["metrics"]["sweep"] == []
+    demo = rec["metrics"]["demo"]
+    mine = [[10 * r + i for i in range(n)] for r in range(n)]
+    total = [sum(mine[r][i] for r in range(n)) for i in range(n)]  # element-wise sum over ranks
+    expected = {  # name -> (before, after) per rank
+        "broadcast": (mine, [mine[0]] * n),
+        "all_reduce": (mine, [total] * n),
+        "reduce_scatter": (mine, [[total[r]] for r in range(n)]),
+        "all_gather": ([[total[r]] for r in range(n)], [total] * n),
+        "all_to_all": (mine, [[mine[k][r] for k in range(n)] for r in range(n)]),
+    }
+    c = demo["collectives"]
+    assert list(c) == ["broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather", "all_to_all"]
+    for name, (before, after) in expected.items():
+        assert (c[name]["before"], c[name]["after"]) == (before, after), name
+        assert c[name]["defined"] == [True] * n and c[name]["reduces"] == (name in ("all_reduce", "reduce_scatter"))
+    # dist.reduce: only the root's result is defined (gloo leaves partial sums elsewhere)
+    assert c["reduce"]["before"] == mine and c["reduce"]["after"][0] == total
+    assert c["reduce"]["defined"] == [True] + [False] * (n - 1) and c["reduce"]["reduces"]
+
+    b = demo["barrier"]
+    assert b["work_ms"] == [50.0 * r for r in range(n)] and min(b["start_ms"]) == 0
+    assert all(a - s >= w for s, a, w in zip(b["start_ms"], b["arrive_ms"], b["work_ms"]))
+    # one machine, one clock: nobody leaves the barrier before the last rank has arrived
+    assert min(b["leave_ms"]) >= max(b["arrive_ms"])
+
+    a = demo["async"]
+    assert a["numel"] > 0 and a["correct_after_wait"] == [True] * n and a["completed_after_wait"] == [True] * n
+    assert all(len(reads) >= 1 and [reads[0][0], reads[0][1]] == [o, f] for reads, o, f in
+               zip(a["reads"], a["original_before_wait"], a["final_before_wait"]))
+    assert all(0 <= o and 0 <= f and o + f <= 1 for reads in a["reads"] for o, f in reads)  # one snapshot per read
+    assert all(f.startswith("RuntimeError") and "not implemented" in f for f in a["reduce_scatter_get_future"])
+    lines = run.lines(0)
+    assert "dist.all_reduce(t)" in lines and f"  rank 0: {mine[0]} -> {total}" in lines
