@@ -175,8 +175,11 @@ def crossover_size(model_a: CostModel, model_b: CostModel, world_size: int | Non
     steps_a, per_a = cost(model_a.algorithm, 1.0, n)
     steps_b, per_b = cost(model_b.algorithm, 1.0, n)
     dt_fixed = model_b.alpha_s * steps_b - model_a.alpha_s * steps_a
-    dt_per_byte = model_a.beta_s_per_byte * per_a - model_b.beta_s_per_byte * per_b
-    if dt_per_byte == 0:
+    bytes_a, bytes_b = model_a.beta_s_per_byte * per_a, model_b.beta_s_per_byte * per_b
+    dt_per_byte = bytes_a - bytes_b
+    # Per-byte costs equal up to float rounding (e.g. a beta copied through from_link) are equal: a
+    # "crossover" at 1e15 bytes from a difference in the 16th digit would be noise, not an answer.
+    if abs(dt_per_byte) <= 1e-9 * max(abs(bytes_a), abs(bytes_b)):
         return None
     size = dt_fixed / dt_per_byte
     return float(size) if size > 0 and math.isfinite(size) else None

@@ -122,3 +122,10 @@ def test_fit_results_reads_a_lab02_record():
         cm.fit_results({"lab": "lab03_ddp", "run_id": "y", "world_size": 2, "metrics": {}})
     with pytest.raises(ValueError, match="nproc >= 2"):
         cm.fit_results({**record, "world_size": 1})
+
+
+def test_crossover_ignores_per_byte_costs_equal_up_to_rounding():
+    from nanodist.costmodel import CostModel, crossover_size
+    a = CostModel.from_link("ring_all_reduce", latency_s=1e-4, bandwidth_GBps=1.6)
+    b = CostModel.from_link("ring_all_reduce", latency_s=2e-4, bandwidth_GBps=1.6 * (1 + 1e-15))
+    assert crossover_size(a, b, world_size=2) is None  # not a crossover at ~1e15 bytes
