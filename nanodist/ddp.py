@@ -66,6 +66,8 @@ class _SyncBase(nn.Module):
             raise ValueError(f"{type(self).__name__} does not support sparse gradients, and {', '.join(sparse)} "
                              f"produce them (nn.Embedding(sparse=True)): use sparse=False")
         self.mismatched_at_wrap = self._broadcast_from_rank0()
+        # Buffers broadcast before every forward: collected once, not by walking the module tree each step.
+        self._sync_buffers = list(module.buffers()) if broadcast_buffers and self.world_size > 1 else []
 
     # --- wrapping -----------------------------------------------------------------------------------
 
@@ -116,9 +118,9 @@ class _SyncBase(nn.Module):
                                  f"gradient synchronisation was discarded")
             self._callback_queued = False
             self._reset()
-        if self.broadcast_buffers and self.require_sync and self.world_size > 1:
+        if self._sync_buffers and self.require_sync:
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            for b in self.module.buffers():  # e.g. BatchNorm running stats: rank 0's win, as in torch DDP
+            for b in self._sync_buffers:  # e.g. BatchNorm running stats: rank 0's win, as in torch DDP
                 dist.broadcast(b.data, src=src, group=self.group)
         return self.module(*args, **kwargs)
 
@@ -227,9 +229,13 @@ class DDP(_SyncBase):
             raise RuntimeError(f"DDP: parameter {self._name(p)} received a gradient twice in one backward "
                                f"(the same module run twice in one step?); this is not supported")
         self._used.add(p)
+        # Divide by the world size on the way into the bucket (one pass, fused with the copy), then all-reduce
+        # with SUM: the bucket ends up holding the average, and no separate division pass follows the transfer.
         slot = self._slots[p]
-        if p.grad.data_ptr() != slot.data_ptr():  # after the first step p.grad usually *is* the slot
-            slot.copy_(p.grad)
+        if p.grad.data_ptr() != slot.data_ptr():
+            torch.div(p.grad, self.world_size, out=slot)
+        else:  # accumulated in place, in the bucket (zero_grad(set_to_none=False))
+            slot.div_(self.world_size)
         self._where[p][0].ready += 1
         self._launch_ready_buckets()
 
@@ -244,7 +250,7 @@ class DDP(_SyncBase):
         if bucket.index == len(self.buckets) - 1:
             bucket.buffer[-1] = self._missing
         bucket.launched_at = time.perf_counter()
-        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         if self.record_timeline:
             bucket.done_at = []
             bucket.work.get_future().then(lambda _f, b=bucket: b.done_at.append(time.perf_counter()))
@@ -263,7 +269,7 @@ class DDP(_SyncBase):
         self._missing = sum(1 for p in missing if p.grad is None)
         for p in missing:
             if p.grad is not None:
-                self._slots[p].copy_(p.grad)
+                torch.div(p.grad, self.world_size, out=self._slots[p])
             else:
                 self._slots[p].zero_()
             self._where[p][0].ready += 1
@@ -278,7 +284,7 @@ class DDP(_SyncBase):
             used_anywhere = {p for (_, p), f in zip(self.trainable, flags.tolist()) if f > 0}
         self._wait_all()
         no_grad = [self._name(p) for p in missing if p not in has_grad]
-        anyone_missing = self.buckets[-1].buffer[-1].item() > 0  # averaged counts: > 0 if any rank missed one
+        anyone_missing = self.buckets[-1].buffer[-1].item() > 0  # summed counts: > 0 if any rank missed one
         if anyone_missing and not self.find_unused_parameters:
             self._reset()  # every rank raises, so no rank walks on into the next step's collectives alone
             here = (f"on this rank: {', '.join(no_grad[:8])}{', ...' if len(no_grad) > 8 else ''}" if no_grad
