@@ -3,6 +3,8 @@
     torchrun --nproc_per_node=2 labs/lab04_zero.py                    # all three, taking turns step by step
     torchrun --nproc_per_node=2 labs/lab04_zero.py --opt dist-adamw --zero-stage 1
     python labs/lab04_zero.py --opt dist-muon                         # a world of one works too
+    torchrun --nproc_per_node=4 labs/lab04_zero.py --memory-only --steps 2     # memory at stages 0, 1, 2
+    torchrun --nproc_per_node=3 labs/lab04_zero.py --memory-only --record-pipeline --steps 1
 
 Every optimizer trains the same GPT from the same initial weights on the same data; with --opt all
 they take turns, one step each, so that load from elsewhere on the machine slows them alike:
@@ -14,12 +16,20 @@ After training, each one takes one more step and measures, on every rank, the by
 gradients and optimizer state (nanodist.memory.measure_memory, right after optimizer.step()). The lab
 prints step time, loss and memory for each, the two ratios between DistAdamW and DDP + AdamW measured
 in this run, and writes everything to labs/results/lab04_zero/.
+
+--memory-only skips the timed comparison and measures memory at every ZeRO stage instead: DDP + AdamW
+(stage 0), then DistAdamW and DistMuon at stages 1 and 2, each trained --steps steps from the same
+weights, then measured after one more step (metrics["memory"]). --record-pipeline also records one
+DistAdamW step of a toy model small enough to print every number -- each rank's local gradient, its
+averaged slice, the updated slice and the all-gathered parameter -- and which of the lab model's
+matrices each rank's DistMuon updated (metrics["pipeline"]).
 """
 import argparse
 import statistics
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import nanodist as nd
 from nanodist.data import CharTokenizer, TokenStream, load_corpus, train_val_split
@@ -52,18 +62,27 @@ def parse_args():
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--data", default=None, help="a text file to train on (default: the built-in corpus)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory-only", action="store_true",
+                   help="no timed comparison: measure per-rank memory at stage 0 (DDP + AdamW) and at stages 1 and 2 "
+                        "(DistAdamW, DistMuon), each after --steps steps (--opt still picks the optimizers)")
+    p.add_argument("--record-pipeline", action="store_true",
+                   help="also record one DistAdamW step of a toy model (every rank's buffers) and which matrices "
+                        "each rank's DistMuon updates")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     args = p.parse_args()
-    if args.steps <= WARMUP_STEPS:
+    if args.memory_only and args.steps < 1:
+        p.error("--steps must be at least 1 with --memory-only (steps before the measured one)")
+    if not args.memory_only and args.steps <= WARMUP_STEPS:
         p.error(f"--steps must be more than {WARMUP_STEPS} (the first {WARMUP_STEPS} are warm-up, not timed)")
     return p, args
 
 
-def build(opt: str, args, info, vocab: int):
-    """The model (wrapped or not) and its optimizer, from the seeded initial weights."""
+def build(opt: str, args, info, vocab: int, stage: int | None = None):
+    """The model (wrapped or not) and its optimizer, from the seeded initial weights (stage: default --zero-stage)."""
     torch.manual_seed(args.seed)  # identical initial weights for every optimizer, on every rank
     raw = GPT(GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)).to(info.device)
-    zero = dict(zero_stage=args.zero_stage, bucket_cap_mb=args.bucket_mb, collectives=args.collectives)
+    zero = dict(zero_stage=args.zero_stage if stage is None else stage, bucket_cap_mb=args.bucket_mb,
+                collectives=args.collectives)
     if opt == "ddp-adamw":
         model = nd.DDP(raw, bucket_cap_mb=args.bucket_mb) if dist.is_initialized() else raw
         optimizer = torch.optim.AdamW(raw.configure_param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
@@ -90,9 +109,9 @@ def measure_step(model, optimizer, stream, dtype: str, device) -> dict:
     return report
 
 
-def make_trainer(opt: str, args, info, tokens, vocab: int) -> dict:
+def make_trainer(opt: str, args, info, tokens, vocab: int, stage: int | None = None) -> dict:
     """A Trainer for `opt` from the seeded initial weights, and what measuring its memory needs."""
-    raw, model, optimizer = build(opt, args, info, vocab)
+    raw, model, optimizer = build(opt, args, info, vocab, stage)
     train_tokens, val_tokens = train_val_split(tokens)
     stream = lambda toks, seed: TokenStream(toks, batch_size=args.micro_batch, block_size=args.seq_len,  # noqa: E731
                                             rank=info.rank, world_size=info.world_size, seed=seed, device=info.device)
@@ -143,6 +162,72 @@ def train_all(opts: list[str], args, info, tokens, vocab: int) -> dict:
     return results
 
 
+def gather(obj, info) -> list:
+    """`obj` from every rank, in rank order (a list of one without a process group)."""
+    if info.world_size == 1:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+MEMORY_RUNS = (("ddp-adamw", 0, "DDP + AdamW"), ("dist-adamw", 1, "DistAdamW"), ("dist-adamw", 2, "DistAdamW"),
+               ("dist-muon", 1, "DistMuon + DistAdamW"), ("dist-muon", 2, "DistMuon + DistAdamW"))
+
+
+def measure_stages(opts: list[str], args, info, tokens, vocab: int) -> list[dict]:
+    """--memory-only: each configuration trains --steps steps, then memory is measured after one more."""
+    out = []
+    for opt, stage, label in MEMORY_RUNS:
+        if opt not in opts:
+            continue
+        r = make_trainer(opt, args, info, tokens, vocab, stage)
+        r["trainer"].fit(max_steps=args.steps)
+        memory = measure_step(r["trainer"].model, r["trainer"].optimizer, r["train"], args.dtype, info.device)
+        out.append({"opt": opt, "stage": stage, "label": label, "world_size": info.world_size,
+                    "num_params": r["raw"].num_params(), "loss": round(r["trainer"].history[-1]["loss"], 5),
+                    "memory": gather(memory, info)})  # one MemoryReport dict per rank
+    return out
+
+
+def record_pipeline(args, info, vocab: int) -> dict:
+    """One DistAdamW step of a toy model, every buffer of every rank; and the matrices each rank's DistMuon owns.
+
+    The toy model is an nn.Linear(5, 2): a (2, 5) weight and a (2,) bias, 12 numbers in all, so that a figure
+    can print each one. Every rank feeds it its own random batch, so the local gradients differ.
+    """
+    torch.manual_seed(args.seed)
+    toy = torch.nn.Linear(5, 2).to(info.device)
+    names = ["weight", "bias"]
+    before = [p.detach().cpu().flatten().tolist() for p in toy.parameters()]
+    opt = DistAdamW([{"params": list(toy.parameters()), "param_names": names}], lr=0.1, weight_decay=0.0,
+                    zero_stage=2, collectives=args.collectives)
+    g = torch.Generator().manual_seed(info.data_seed)  # a different batch on every rank
+    x, y = torch.randn(4, 5, generator=g).to(info.device), torch.randn(4, 2, generator=g).to(info.device)
+    F.mse_loss(toy(x), y).backward()
+    opt.record_next_step()
+    opt.step()
+    flat = lambda t: None if t is None else t.detach().cpu().flatten().tolist()  # noqa: E731
+    mine = [{"name": e["name"], "shape": list(e["shape"]), "grad": flat(e["grad"]),
+             "piece": None if e["piece"] is None else list(e["piece"]), "grad_shard": flat(e["grad_shard"]),
+             "updated_shard": flat(e["updated_shard"]), "param": flat(e["param"])} for e in opt.recorded]
+
+    # DistMuon on the lab's model: one step, then the matrices whose momentum lives on this rank.
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)).to(info.device)
+    combined = make_muon_optimizer(model, collectives=args.collectives)
+    muon = combined.optimizers[-1]
+    idx = torch.randint(0, vocab, (2, args.seq_len), generator=g).to(info.device)
+    model(idx, idx)[1].backward()
+    combined.step()
+    named = [(n, p) for group in muon.param_groups for n, p in zip(group["param_names"], group["params"])]
+    owned = [{"name": n, "shape": list(p.shape), "numel": p.numel()} for n, p in named if muon.state.get(p)]
+    return {"toy": {"before": before, "names": names, "ranks": gather(mine, info)},
+            "muon": {"model": args.model, "matrices": [{"name": n, "shape": list(p.shape), "numel": p.numel()}
+                                                        for n, p in named],
+                     "owned": gather(owned, info)}}
+
+
 def main():
     parser, args = parse_args()
     info = nd.init(seed=args.seed)
@@ -156,6 +241,22 @@ def main():
     opts = list(OPTS) if args.opt == "all" else [args.opt]
 
     rec = Recorder("lab04_zero", config=vars(args), info=info)
+    if args.record_pipeline:
+        pipeline = record_pipeline(args, info, tok.vocab_size)
+        rec.metrics["pipeline"] = pipeline
+        for r, owned in enumerate(pipeline["muon"]["owned"]):
+            nd.print0(f"DistMuon rank {r}: {len(owned)} matrices, {sum(m['numel'] for m in owned)} elements")
+    if args.memory_only:
+        runs = measure_stages(opts, args, info, tokens, tok.vocab_size)
+        for run in runs:
+            worst = max(run["memory"], key=lambda m: m["total"])
+            nd.print0(f"stage {run['stage']} {run['label']:>20}: per rank (max) params {worst['params']} B  grads "
+                      f"{worst['grads']} B  optimizer state {worst['optimizer_state']} B")
+        rec.metrics["memory"] = runs
+        path = rec.save()
+        nd.print0(f"wrote {path}")
+        nd.shutdown()
+        return
     nd.print0(f"== {', '.join(opts)}: {info.world_size} rank(s), {args.model} model, {args.steps} steps each, "
               f"taking turns step by step")
     results = train_all(opts, args, info, tokens, tok.vocab_size)

@@ -1,5 +1,7 @@
-"""Lab 4 end to end at a tiny size: three optimizers, two gloo ranks, one results record."""
+"""Lab 4 end to end at a tiny size: three optimizers, two gloo ranks, one results record; and its --memory-only
+and --record-pipeline modes on three ranks (uneven slices), checked value by value."""
 import pytest
+import torch
 
 import nanodist as nd
 
@@ -34,3 +36,59 @@ def test_lab04_trains_three_optimizers_and_records_memory(tmp_path):
     assert "ratio DistAdamW/DDP+AdamW step time:" in out and "(target <= 1.10)" in out
     assert "ratio optimizer-state bytes per rank DistAdamW/AdamW:" in out and "(target <= 0.52)" in out
     assert len(rec["steps"]) == 5
+
+
+def test_lab04_memory_only_and_recorded_pipeline(tmp_path):
+    run = nd.launch("lab04_zero", nproc=3, timeout=240, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+                    args=["--model", "tiny", "--steps", "1", "--micro-batch", "4", "--seq-len", "16",
+                          "--memory-only", "--record-pipeline", "--no-progress"])
+    rec = run.results
+    m = rec["metrics"]
+    assert "opts" not in m and rec["steps"] == []  # no timed comparison in this mode
+    runs = {(r["label"], r["stage"]): r for r in m["memory"]}
+    assert set(runs) == {("DDP + AdamW", 0), ("DistAdamW", 1), ("DistAdamW", 2), ("DistMuon + DistAdamW", 1),
+                         ("DistMuon + DistAdamW", 2)}
+    n = runs["DDP + AdamW", 0]["num_params"]
+    for r in runs.values():
+        assert r["world_size"] == 3 and len(r["memory"]) == 3 and r["num_params"] == n
+        assert all(mem["params"] == 4 * n for mem in r["memory"])  # stages 0-2 never shard parameters
+    state = lambda mem: mem["optimizer_state"] - mem["optimizer_state_scalars"]  # noqa: E731
+    for mem in runs["DDP + AdamW", 0]["memory"]:
+        assert state(mem) == 8 * n and mem["grads"] == 4 * n + 4  # (+ DDP's missing-gradient count)
+    for stage in (1, 2):  # AdamW state: each element on exactly one rank, n/3 each up to uneven slices
+        per_rank = [state(mem) for mem in runs["DistAdamW", stage]["memory"]]
+        assert sum(per_rank) == 8 * n and all(abs(s - 8 * n / 3) < 8 * 64 for s in per_rank)
+    assert all(mem["grads"] == 4 * n for mem in runs["DistAdamW", 1]["memory"])  # stage 1: the whole average
+    shard = [mem["grads"] for mem in runs["DistAdamW", 2]["memory"]]  # stage 2: one padded row each
+    assert len(set(shard)) == 1 and 4 * n / 3 <= shard[0] < 4 * n / 3 + 4 * 64
+    muon = m["pipeline"]["muon"]
+    n_muon = sum(x["numel"] for x in muon["matrices"])
+    assert len(muon["matrices"]) == 8 and n_muon == 8 * 64 * 64 * 3  # tiny: 2 blocks x (qkv, proj, fc, proj)
+    for stage in (1, 2):  # Muon: one momentum per hidden matrix, AdamW's two moments for the rest
+        assert sum(state(mem) for mem in runs["DistMuon + DistAdamW", stage]["memory"]) == \
+            4 * n_muon + 8 * (n - n_muon)
+    owned = [sorted(x["name"] for x in ms) for ms in muon["owned"]]
+    assert sorted(sum(owned, [])) == sorted(x["name"] for x in muon["matrices"])  # each matrix on one rank
+    assert all(owned)  # 8 matrices for 3 ranks: nobody idles
+
+    toy = m["pipeline"]["toy"]
+    assert toy["names"] == ["weight", "bias"] and len(toy["ranks"]) == 3
+    pieces = [[tuple(e["piece"]) if e["piece"] else None for e in rank] for rank in toy["ranks"]]
+    assert pieces == [[(0, 4), (0, 1)], [(4, 4), (1, 1)], [(8, 2), None]]  # ceil(10/3) = 4: 4, 4, 2; 1, 1, none
+    for k in range(2):
+        entries = [rank[k] for rank in toy["ranks"]]
+        local = torch.tensor([e["grad"] for e in entries])
+        assert not torch.equal(local[0], local[1])  # every rank had its own batch
+        average = torch.cat([torch.tensor(e["grad_shard"] or []) for e in entries])
+        assert torch.allclose(average, local.mean(0), atol=1e-6)  # reduce-scatter: the average, slice by slice
+        params = torch.tensor([e["param"] for e in entries])
+        assert (params == params[0]).all()  # all-gather: identical everywhere
+        for e in entries:  # each updated slice is what the all-gather delivered
+            if e["piece"]:
+                a, size = e["piece"]
+                assert e["updated_shard"] == e["param"][a:a + size]
+        # AdamW's first step (lr 0.1, no weight decay): every element moves by lr against its averaged gradient
+        expected = torch.tensor(toy["before"][k]) - 0.1 * average.sign()
+        assert torch.allclose(params[0], expected, atol=1e-5)
+    out = run.output
+    assert "DistMuon rank 2:" in out and "stage 2            DistAdamW:" in out
