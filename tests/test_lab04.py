@@ -54,7 +54,7 @@ def test_lab04_memory_only_and_recorded_pipeline(tmp_path):
         assert all(mem["params"] == 4 * n for mem in r["memory"])  # stages 0-2 never shard parameters
     state = lambda mem: mem["optimizer_state"] - mem["optimizer_state_scalars"]  # noqa: E731
     for mem in runs["DDP + AdamW", 0]["memory"]:
-        assert state(mem) == 8 * n and mem["grads"] == 4 * n + 4  # (+ DDP's missing-gradient count)
+        assert state(mem) == 8 * n and mem["grads"] == 4 * n
     for stage in (1, 2):  # AdamW state: each element on exactly one rank, n/3 each up to uneven slices
         per_rank = [state(mem) for mem in runs["DistAdamW", stage]["memory"]]
         assert sum(per_rank) == 8 * n and all(abs(s - 8 * n / 3) < 8 * 64 for s in per_rank)
