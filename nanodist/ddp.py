@@ -166,14 +166,16 @@ class DDP(_SyncBase):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 record_timeline: bool = False, first_bucket_cap_mb: float = 1.0):
+                 record_timeline: bool = False, first_bucket_cap_mb: float | None = None):
         super().__init__(module, process_group, broadcast_buffers)
+        first_bucket_cap_mb = bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
         if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
             raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={bucket_cap_mb}, "
                              f"first_bucket_cap_mb={first_bucket_cap_mb}")
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
-        # The first bucket (the last layers, whose gradients come first) is kept small, as in torch DDP,
-        # so that communication starts early in backward instead of waiting for 25 MB of gradients.
+        # Optionally a smaller first bucket (the last layers, whose gradients come first), so communication
+        # starts earlier. torch DDP uses 1 MiB for its first iteration only and then rebuilds its buckets at
+        # the full cap: each extra all-reduce pays the latency again, and on a CPU the overlap is not free.
         self.first_bucket_cap_bytes = int(min(first_bucket_cap_mb, bucket_cap_mb) * 2**20)
         self.find_unused_parameters = find_unused_parameters
         self.record_timeline = record_timeline
