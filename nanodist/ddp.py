@@ -44,6 +44,24 @@ class _Bucket:
     done_at: list = field(default_factory=list)
 
 
+def pack_buckets(tensors, cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Group consecutive tensors into buckets of at most `cap_bytes` (the first of `first_cap_bytes`) with one
+    dtype and device each; returns the buckets as lists of indices. A tensor larger than the cap gets its own."""
+    buckets, current, size = [], [], 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        cap = cap_bytes if buckets or first_cap_bytes is None else first_cap_bytes
+        head = tensors[current[0]] if current else None
+        if current and (size + nbytes > cap or t.dtype != head.dtype or t.device != head.device):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 class _SyncBase(nn.Module):
     """What DDP and NaiveDDP share: wrapping, broadcasting rank 0's state, no_sync, the end-of-backward callback."""
 
@@ -194,19 +212,9 @@ class DDP(_SyncBase):
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in self.trainable]
 
     def _build_buckets(self) -> list[_Bucket]:
-        buckets, current, size = [], [], 0
         params = [p for _, p in reversed(self.trainable)]  # backward meets the last layers first
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            cap = self.first_bucket_cap_bytes if not buckets else self.bucket_cap_bytes
-            if current and (size + nbytes > cap or p.dtype != current[0].dtype
-                            or p.device != current[0].device):
-                buckets.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            buckets.append(current)
+        buckets = [[params[i] for i in run]
+                   for run in pack_buckets(params, self.bucket_cap_bytes, self.first_bucket_cap_bytes)]
         out = []
         for i, ps in enumerate(buckets):
             offsets, n = [], 0

@@ -206,3 +206,12 @@ def test_default_ddp_equals_torch_and_missing_gradients_raise_on_every_rank(worl
     assert "on this rank: unused.weight, unused.bias" in messages[1]
     assert "on another rank (this rank had every gradient)" in messages[0]
     assert all("find_unused_parameters=True" in m for m in messages)
+
+
+def test_pack_buckets_respects_caps_dtype_and_device():
+    from nanodist.ddp import pack_buckets
+    ts = [torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(100), torch.zeros(1)]
+    assert pack_buckets(ts, cap_bytes=32) == [[0, 1], [2], [3], [4]]  # dtype change splits; 400 B alone
+    assert pack_buckets(ts, cap_bytes=32, first_cap_bytes=16) == [[0], [1], [2], [3], [4]]
+    assert pack_buckets(ts, cap_bytes=10_000) == [[0, 1], [2], [3, 4]]
+    assert pack_buckets([], cap_bytes=32) == []

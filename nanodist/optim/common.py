@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import ring_all_gather, ring_reduce_scatter
+from ..ddp import pack_buckets
 
 # torch >= 2.13 renamed the single-tensor collectives; older versions only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -207,19 +208,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if key == self._plan_key:
             return self._buckets
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        runs, current, size = [], [], 0
-        for i, p in enumerate(self._params):
-            if p.numel() == 0:
-                continue  # nothing to update, nothing to send
-            nbytes = p.numel() * p.element_size()
-            kind = (self._params[current[0]].dtype, self._params[current[0]].device) if current else None
-            if current and (size + nbytes > self.bucket_cap_bytes or (p.dtype, p.device) != kind):
-                runs.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        if current:
-            runs.append(current)
+        nonempty = [i for i, p in enumerate(self._params) if p.numel() > 0]  # empty: nothing to update or send
+        runs = [[nonempty[j] for j in run]
+                for run in pack_buckets([self._params[i] for i in nonempty], self.bucket_cap_bytes)]
         self._buckets = []
         for run in runs:
             pieces, row = self._layout([(i, group_of[i], self._params[i].numel()) for i in run])
