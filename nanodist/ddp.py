@@ -20,6 +20,7 @@ for comparison. Both work with any initialised default process group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
     buffer: torch.Tensor
+    slots: list[torch.Tensor]  # each parameter's slice of the buffer, shaped like the parameter
+    grads: torch.Tensor  # the buffer without its extra last element (if any)
     ready: int = 0
     work: object = None
     launched_at: float = 0.0
@@ -200,16 +203,21 @@ class DDP(_SyncBase):
         self.timeline: list[dict] = []  # filled when record_timeline: one dict per bucket per step
         self.sync_count = 0  # backward passes whose gradients were averaged (no_sync ones are not)
         self.buckets = self._build_buckets()
-        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        # Each parameter's slice of its bucket's buffer, shaped like the parameter: made once, reused every step.
-        self._slots = {p: b.buffer[b.offsets[i]:b.offsets[i] + p.numel()].view_as(p)
-                       for b in self.buckets for i, p in enumerate(b.params)}
-        self._used = set()
+        # Per trainable parameter (by its index in self.trainable): its bucket, and its slice of that bucket's
+        # buffer shaped like the parameter. The hooks below run once per parameter per backward, in Python, so
+        # they only count; the copying is done per bucket, in one call, when the bucket is complete.
+        self._params = [p for _, p in self.trainable]
+        where = {id(p): (b, b.slots[j]) for b in self.buckets for j, p in enumerate(b.params)}
+        self._bucket_of = [where[id(p)][0] for p in self._params]
+        self._slot_of = [where[id(p)][1] for p in self._params]
+        self._fired = [False] * len(self._params)  # which hooks ran in this backward
+        self._n_fired = 0
         self._next = 0  # the next bucket to launch
         self._backward_start = None
         self._autograd_end = None
         self._missing = 0  # this rank's parameters without a gradient, sent along in the last bucket
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in self.trainable]
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+                       for i, p in enumerate(self._params)]
 
     def _build_buckets(self) -> list[_Bucket]:
         params = [p for _, p in reversed(self.trainable)]  # backward meets the last layers first
@@ -224,30 +232,29 @@ class DDP(_SyncBase):
             # The last bucket carries one extra element: how many parameters got no gradient on this rank,
             # so that after its all-reduce every rank knows whether *any* rank missed one.
             extra = 1 if i == len(buckets) - 1 else 0
-            out.append(_Bucket(i, ps, offsets, torch.zeros(n + extra, dtype=ps[0].dtype, device=ps[0].device)))
+            buffer = torch.zeros(n + extra, dtype=ps[0].dtype, device=ps[0].device)
+            slots = [buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, ps)]
+            out.append(_Bucket(i, ps, offsets, buffer, slots, buffer[:n]))
         return out
 
     # --- during backward ----------------------------------------------------------------------------
 
-    def _grad_ready(self, p: nn.Parameter) -> None:
+    def _grad_ready(self, i: int, p: nn.Parameter) -> None:
+        """Runs as soon as autograd has accumulated p.grad (p is self._params[i])."""
         if not self.require_sync:
             return  # no_sync: the gradient just accumulates in p.grad
         if self._backward_start is None:
             self._backward_start = time.perf_counter()
             self._queue_end_of_backward()
-        if p in self._used:
-            raise RuntimeError(f"DDP: parameter {self._name(p)} received a gradient twice in one backward "
+        if self._fired[i]:
+            raise RuntimeError(f"DDP: parameter {self.trainable[i][0]} received a gradient twice in one backward "
                                f"(the same module run twice in one step?); this is not supported")
-        self._used.add(p)
-        # Divide by the world size on the way into the bucket (one pass, fused with the copy), then all-reduce
-        # with SUM: the bucket ends up holding the average, and no separate division pass follows the transfer.
-        slot = self._slots[p]
-        if p.grad.data_ptr() != slot.data_ptr():
-            torch.div(p.grad, self.world_size, out=slot)
-        else:  # accumulated in place, in the bucket (zero_grad(set_to_none=False))
-            slot.div_(self.world_size)
-        self._where[p][0].ready += 1
-        self._launch_ready_buckets()
+        self._fired[i] = True
+        self._n_fired += 1
+        bucket = self._bucket_of[i]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         # Buckets go out strictly in index order: collectives are matched across ranks by the order in
@@ -257,6 +264,11 @@ class DDP(_SyncBase):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        # Gather the bucket's gradients into its buffer in one call (a gradient accumulated in place, already
+        # in its slot, is skipped by copy_), divide by the world size, and all-reduce with SUM: the buffer then
+        # holds the average. This is torch DDP's arithmetic, so the two agree to the last bit.
+        torch._foreach_copy_(bucket.slots, [p.grad for p in bucket.params])
+        bucket.grads.div_(self.world_size)
         if bucket.index == len(self.buckets) - 1:
             bucket.buffer[-1] = self._missing
         bucket.launched_at = time.perf_counter()
@@ -267,46 +279,45 @@ class DDP(_SyncBase):
 
     # --- end of backward ----------------------------------------------------------------------------
 
-    def _name(self, p) -> str:
-        return next(n for n, q in self.trainable if q is p)
-
     def _finish(self) -> None:
         self._autograd_end = time.perf_counter()  # autograd is done; from here on we only wait
         self.sync_count += 1
+        params = self._params
+        missing = [] if self._n_fired == len(params) else [i for i, f in enumerate(self._fired) if not f]
         # Parameters whose hook did not fire this step contribute what they hold: a gradient accumulated
         # under no_sync, or zeros. Then every remaining bucket goes out, in order.
-        missing = [p for _, p in self.trainable if p not in self._used]
-        self._missing = sum(1 for p in missing if p.grad is None)
-        for p in missing:
-            if p.grad is not None:
-                torch.div(p.grad, self.world_size, out=self._slots[p])
-            else:
-                self._slots[p].zero_()
-            self._where[p][0].ready += 1
+        no_grad = [i for i in missing if params[i].grad is None]
+        self._missing = len(no_grad)
+        for i in missing:
+            if params[i].grad is None:
+                params[i].grad = torch.zeros_like(params[i])  # joins as zeros; set back to None below
+            self._bucket_of[i].ready += 1
         self._launch_ready_buckets()
-        has_grad = {p for _, p in self.trainable if p in self._used or p.grad is not None}
-        used_anywhere = has_grad
+        unused_everywhere = set()
         if self.find_unused_parameters:
             # Which parameters did *any* rank use? Those no rank used keep grad None, as in torch DDP.
-            flags = torch.tensor([p in has_grad for _, p in self.trainable], dtype=torch.int32,
-                                 device=self.buckets[0].buffer.device)
+            flags = torch.ones(len(params), dtype=torch.int32, device=self.buckets[0].buffer.device)
+            if no_grad:
+                flags[no_grad] = 0
             dist.all_reduce(flags, group=self.group)
-            used_anywhere = {p for (_, p), f in zip(self.trainable, flags.tolist()) if f > 0}
+            unused_everywhere = {i for i, f in enumerate(flags.tolist()) if f == 0}
         self._wait_all()
-        no_grad = [self._name(p) for p in missing if p not in has_grad]
         anyone_missing = self.buckets[-1].buffer[-1].item() > 0  # summed counts: > 0 if any rank missed one
         if anyone_missing and not self.find_unused_parameters:
+            for i in no_grad:
+                params[i].grad = None
             self._reset()  # every rank raises, so no rank walks on into the next step's collectives alone
-            here = (f"on this rank: {', '.join(no_grad[:8])}{', ...' if len(no_grad) > 8 else ''}" if no_grad
+            names = [self.trainable[i][0] for i in no_grad]
+            here = (f"on this rank: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names
                     else "on another rank (this rank had every gradient)")
             raise RuntimeError(
                 f"DDP: parameter(s) got no gradient this step, {here}. If they are unused on purpose, wrap "
                 f"with DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
-        for _, p in self.trainable:
-            if p in used_anywhere:
-                view = self._slots[p]
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view  # the averaged gradient lives in the bucket: no copy back
+        for p, slot in zip(params, self._slot_of):
+            if p.grad is not slot:
+                p.grad = slot  # the averaged gradient lives in the bucket: no copy back
+        for i in unused_everywhere:
+            params[i].grad = None
         self._reset()
 
     def _wait_all(self) -> None:
@@ -318,7 +329,7 @@ class DDP(_SyncBase):
             t0 = self._backward_start
             for b in self.buckets:
                 done = b.done_at[0] if b.done_at else end
-                self.timeline.append({"bucket": b.index, "numel": sum(p.numel() for p in b.params),
+                self.timeline.append({"bucket": b.index, "numel": b.grads.numel(),
                                       "launch_s": b.launched_at - t0, "done_s": done - t0,
                                       "autograd_end_s": self._autograd_end - t0, "synced_s": end - t0})
 
@@ -328,7 +339,8 @@ class DDP(_SyncBase):
     def _reset(self) -> None:
         for b in self.buckets:
             b.ready, b.work = 0, None
-        self._used = set()
+        self._fired = [False] * len(self._params)
+        self._n_fired = 0
         self._next = 0
         self._missing = 0
         self._backward_start = None
