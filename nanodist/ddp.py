@@ -265,10 +265,10 @@ class DDP(_SyncBase):
 
     def _launch(self, bucket: _Bucket) -> None:
         # Gather the bucket's gradients into its buffer in one call (a gradient accumulated in place, already
-        # in its slot, is skipped by copy_), divide by the world size, and all-reduce with SUM: the buffer then
-        # holds the average. This is torch DDP's arithmetic, so the two agree to the last bit.
+        # in its slot, is skipped by copy_), scale by 1/N and all-reduce with SUM: the buffer then holds the
+        # average. This is torch DDP's arithmetic: with the same buckets the two agree to the last bit.
         torch._foreach_copy_(bucket.slots, [p.grad for p in bucket.params])
-        bucket.grads.div_(self.world_size)
+        bucket.grads.mul_(1.0 / self.world_size)
         if bucket.index == len(self.buckets) - 1:
             bucket.buffer[-1] = self._missing
         bucket.launched_at = time.perf_counter()

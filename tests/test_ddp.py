@@ -215,3 +215,29 @@ def test_pack_buckets_respects_caps_dtype_and_device():
     assert pack_buckets(ts, cap_bytes=32, first_cap_bytes=16) == [[0], [1], [2], [3], [4]]
     assert pack_buckets(ts, cap_bytes=10_000) == [[0, 1], [2], [3, 4]]
     assert pack_buckets([], cap_bytes=32) == []
+
+
+def bitwise_worker(rank, world):
+    from nanodist.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("tiny", vocab_size=50, block_size=16)
+    a, b = GPT(cfg), GPT(cfg)
+    b.load_state_dict(a.state_dict())
+    ours, theirs = nd.DDP(a), TorchDDP(b)
+    g = torch.Generator().manual_seed(rank)
+    unequal = []
+    for step in range(3):
+        x, y = torch.randint(0, 50, (4, 16), generator=g), torch.randint(0, 50, (4, 16), generator=g)
+        ours(x, y)[1].backward()
+        theirs(x, y)[1].backward()
+        unequal.append([n for (n, p), q in zip(a.named_parameters(), b.parameters()) if not torch.equal(p.grad, q.grad)])
+        a.zero_grad(), b.zero_grad()
+    return unequal
+
+
+def test_gradients_are_bit_identical_to_torch_ddp_once_its_buckets_are_rebuilt():
+    # torch DDP starts with a 1 MiB first bucket and, after its first backward, rebuilds its buckets at the full
+    # cap: from then on both reduce the same flat buffer with the same arithmetic (x 1/N, then SUM), so even at
+    # W = 3, where rounding depends on the order of the sum, every gradient is equal bit for bit.
+    for unequal in spawn(bitwise_worker, 3, timeout=120):
+        assert unequal[1] == [] and unequal[2] == [], unequal
