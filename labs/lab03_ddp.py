@@ -28,7 +28,7 @@ from nanodist.model import GPT, GPTConfig
 from nanodist.results import Recorder, load_all
 from nanodist.train import TrainConfig, Trainer, grad_accum_steps
 
-IMPLS = ("nanodist", "torch", "naive", "single")
+IMPLS = ("nanodist", "nanodist-pg", "torch", "naive", "single")
 WARMUP_STEPS = 3  # excluded from throughput: first steps pay for allocation and thread start-up
 BLOCK_STEPS = 5  # implementations take turns, this many steps each
 
@@ -36,9 +36,13 @@ BLOCK_STEPS = 5  # implementations take turns, this many steps each
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", choices=IMPLS + ("all",), default="all",
-                   help="which data-parallel implementation to train (all: torch, nanodist, naive in turn)")
+                   help="which data-parallel implementation to train (all: torch, nanodist, naive in turn, and "
+                        "nanodist-pg when nanodist reduces through shared memory)")
+    p.add_argument("--shared-memory", choices=["auto", "on", "off"], default="auto",
+                   help="nanodist DDP reduces gradients through shared memory (auto: when the ranks are CPU "
+                        "processes on one machine); nanodist-pg always uses the process group, like torch DDP")
     p.add_argument("--scaling", choices=["weak", "strong"], default="weak")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per implementation")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps per implementation")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--total-batch", type=int, default=None,
@@ -81,8 +85,9 @@ def make_trainer(impl: str, args, info, tokens, vocab: int, record_timeline=Fals
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)).to(info.device)
     raw = model
-    if impl == "nanodist":
-        model = nd.DDP(model, bucket_cap_mb=args.bucket_mb, record_timeline=record_timeline)
+    if impl in ("nanodist", "nanodist-pg"):
+        model = nd.DDP(model, bucket_cap_mb=args.bucket_mb, record_timeline=record_timeline,
+                       shared_memory=impl == "nanodist" and use_shared_memory(args, info))
     elif impl == "torch":
         model = TorchDDP(model, bucket_cap_mb=args.bucket_mb,
                          device_ids=[info.device.index] if info.device.type == "cuda" else None)
@@ -100,6 +105,13 @@ def make_trainer(impl: str, args, info, tokens, vocab: int, record_timeline=Fals
                    val_data=stream(val_tokens, args.seed + 1), info=run_info)
 
 
+def use_shared_memory(args, info) -> bool:
+    """auto: shared memory when every rank is a CPU process on this machine (gloo would go through TCP)."""
+    if args.shared_memory != "auto":
+        return args.shared_memory == "on"
+    return info.device.type == "cpu" and info.world_size > 1 and info.local_world_size == info.world_size
+
+
 def summarize(impl: str, trainer) -> dict:
     """Throughput (median over the steps after warm-up), losses and, for nanodist, the bucket timeline."""
     timed = trainer.history[WARMUP_STEPS:]
@@ -114,6 +126,8 @@ def summarize(impl: str, trainer) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "history": trainer.history,
     }
+    if isinstance(model, nd.DDP):
+        out["transport"] = "shared memory" if model.shared_memory else "the process group"
     if isinstance(model, nd.DDP) and model.record_timeline:
         out["timeline"] = model.timeline
         out["buckets"] = [b.buffer.numel() for b in model.buckets]
@@ -213,6 +227,8 @@ def main():
     except (ValueError, OSError) as e:
         parser.error(str(e))
     impls = ["torch", "nanodist", "naive"] if args.impl == "all" else [args.impl]
+    if args.impl == "all" and use_shared_memory(args, info):
+        impls.insert(2, "nanodist-pg")  # the like-for-like comparison: the same transport as torch DDP
     if info.world_size > 1 and "single" in impls:
         parser.error("--impl single is the 1-rank reference: run it without torchrun (or use --baseline)")
     baseline = args.baseline if args.baseline is not None else args.impl == "all"
@@ -233,8 +249,9 @@ def main():
             nd.print0(f"N x b == 1 x Nb: largest gradient / parameter difference per step: "
                       f"{', '.join(f'{g:.1e}/{d:.1e}' for g, d in zip(verified['grad_max_abs_diff'], verified['max_abs_diff']))}")
     for name, r in results.items():
-        nd.print0(f"{name:>8}: {r['world_size']} rank(s)  {r['tokens_per_s']:9.0f} tokens/s  "
-                  f"step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
+        how = f"  (gradients through {r['transport']})" if "transport" in r else ""
+        nd.print0(f"{name:>11}: {r['world_size']} rank(s)  {r['tokens_per_s']:9.0f} tokens/s  "
+                  f"step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}{how}")
     main_impl = "nanodist" if args.impl == "all" else args.impl
     for h in results[main_impl]["history"]:
         rec.step(**{k: v for k, v in h.items()})
@@ -243,6 +260,10 @@ def main():
     if "torch" in results and "nanodist" in results:
         metrics["ratio_nanodist_vs_torch"] = results["nanodist"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
         nd.print0(f"ratio nanodist/torch DDP throughput: {metrics['ratio_nanodist_vs_torch']:.2f} (target >= 1.0)")
+    if "torch" in results and "nanodist-pg" in results:
+        metrics["ratio_nanodist_pg_vs_torch"] = results["nanodist-pg"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
+        nd.print0(f"ratio nanodist-pg/torch DDP throughput (both through the process group): "
+                  f"{metrics['ratio_nanodist_pg_vs_torch']:.2f}")
     if "torch" in results and "naive" in results:
         metrics["ratio_naive_vs_torch"] = results["naive"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
         nd.print0(f"ratio naive/torch DDP throughput: {metrics['ratio_naive_vs_torch']:.2f} (target <= 0.6)")

@@ -45,6 +45,18 @@ class _Bucket:
     work: object = None
     launched_at: float = 0.0
     done_at: list = field(default_factory=list)
+    reducer: object = None  # a nanodist.shm.SharedMemoryAllReduce, with DDP(shared_memory=True)
+    shm_slots: list = None  # each parameter's slice of this rank's row of the shared memory
+
+
+class _Done:
+    """The handle of a reduction that has already finished."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 def pack_buckets(tensors, cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
@@ -183,11 +195,16 @@ class DDP(_SyncBase):
     - find_unused_parameters: allow parameters that get no gradient in a step (costs one tiny all-reduce).
       Without it such parameters raise an error naming them. Frozen parameters are always skipped.
     - record_timeline: keep, per step, when each bucket was launched and finished (for the plots).
+    - shared_memory: CPU ranks on one machine reduce each bucket through shared memory (nanodist.shm)
+      instead of the process group: no network stack, but the reduction runs in the hook, so it does not
+      overlap backward. Where it cannot be used (ranks on several machines, no room in /dev/shm) DDP says
+      so once and uses the process group.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 record_timeline: bool = False, first_bucket_cap_mb: float | None = None):
+                 record_timeline: bool = False, first_bucket_cap_mb: float | None = None,
+                 shared_memory: bool = False):
         super().__init__(module, process_group, broadcast_buffers)
         first_bucket_cap_mb = bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
         if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
@@ -203,6 +220,7 @@ class DDP(_SyncBase):
         self.timeline: list[dict] = []  # filled when record_timeline: one dict per bucket per step
         self.sync_count = 0  # backward passes whose gradients were averaged (no_sync ones are not)
         self.buckets = self._build_buckets()
+        self.shared_memory = shared_memory and self.world_size > 1 and self._attach_shared_memory()
         # Per trainable parameter (by its index in self.trainable): its bucket, and its slice of that bucket's
         # buffer shaped like the parameter. The hooks below run once per parameter per backward, in Python, so
         # they only count; the copying is done per bucket, in one call, when the bucket is complete.
@@ -237,6 +255,23 @@ class DDP(_SyncBase):
             out.append(_Bucket(i, ps, offsets, buffer, slots, buffer[:n]))
         return out
 
+    def _attach_shared_memory(self) -> bool:
+        devices = {b.buffer.device.type for b in self.buckets}
+        if devices != {"cpu"}:
+            raise ValueError(f"DDP(shared_memory=True) reduces CPU tensors, but the parameters are on "
+                             f"{', '.join(sorted(devices))}: leave shared_memory off on GPUs (nccl is faster)")
+        from .shm import SharedMemoryAllReduce
+        try:
+            for b in self.buckets:
+                b.reducer = SharedMemoryAllReduce(b.buffer.numel(), b.buffer.dtype, self.group)
+                b.shm_slots = [b.reducer.mine[o:o + p.numel()].view_as(p) for o, p in zip(b.offsets, b.params)]
+        except (ValueError, OSError) as e:  # raised on every rank alike, so every rank falls back together
+            for b in self.buckets:
+                b.reducer = b.shm_slots = None
+            get_logger().warning(f"DDP: shared memory unavailable, reducing through the process group ({e})")
+            return False
+        return True
+
     # --- during backward ----------------------------------------------------------------------------
 
     def _grad_ready(self, i: int, p: nn.Parameter) -> None:
@@ -264,6 +299,8 @@ class DDP(_SyncBase):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.reducer is not None:
+            return self._reduce_in_shared_memory(bucket)
         # Gather the bucket's gradients into its buffer in one call (a gradient accumulated in place, already
         # in its slot, is skipped by copy_), scale by 1/N and all-reduce with SUM: the buffer then holds the
         # average. This is torch DDP's arithmetic: with the same buckets the two agree to the last bit.
@@ -276,6 +313,20 @@ class DDP(_SyncBase):
         if self.record_timeline:
             bucket.done_at = []
             bucket.work.get_future().then(lambda _f, b=bucket: b.done_at.append(time.perf_counter()))
+
+    def _reduce_in_shared_memory(self, bucket: _Bucket) -> None:
+        # The same arithmetic, but the gradients go straight into this rank's row of the shared memory, the
+        # ranks add up each other's rows, and the average is copied into the bucket. Synchronous: it is done
+        # when this returns.
+        reducer, n = bucket.reducer, bucket.grads.numel()
+        torch._foreach_copy_(bucket.shm_slots, [p.grad for p in bucket.params])
+        reducer.mine[:n].mul_(1.0 / self.world_size)
+        if bucket.index == len(self.buckets) - 1:
+            reducer.mine[-1] = self._missing
+        bucket.launched_at = time.perf_counter()
+        bucket.buffer.copy_(reducer.all_reduce_())
+        bucket.work = _DONE
+        bucket.done_at = [time.perf_counter()]
 
     # --- end of backward ----------------------------------------------------------------------------
 

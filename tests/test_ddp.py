@@ -51,11 +51,13 @@ def loss_of(model, x, y):
     return nn.functional.cross_entropy(model(x), y)
 
 
-def parity_worker(rank, world):
+def parity_worker(rank, world, shared_memory=False):
     results = {}
     torch.manual_seed(0)
     base = Net()
-    ours = nd.DDP(_copy(base), bucket_cap_mb=0.004, find_unused_parameters=True)  # ~1 KB buckets: several
+    ours = nd.DDP(_copy(base), bucket_cap_mb=0.004, find_unused_parameters=True,  # ~1 KB buckets: several
+                  shared_memory=shared_memory)
+    results["shared_memory"] = ours.shared_memory
     theirs = TorchDDP(_copy(base), bucket_cap_mb=0.004, find_unused_parameters=True)
     naive = NaiveDDP(_copy(base))
     results["buckets"] = len(ours.buckets)
@@ -94,9 +96,11 @@ def _copy(model):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_gradients_equal_torch_ddp_and_the_big_batch(world):
-    out = spawn(parity_worker, world, timeout=120)
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["process-group", "shared-memory"])
+def test_gradients_equal_torch_ddp_and_the_big_batch(world, shared_memory):
+    out = spawn(parity_worker, world, kwargs={"shared_memory": shared_memory}, timeout=120)
     assert all(o["ok"] for o in out)
+    assert all(o["shared_memory"] == (shared_memory and world > 1) for o in out)
     assert out[0]["buckets"] >= 3
 
 
