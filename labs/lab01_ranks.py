@@ -56,7 +56,7 @@ def main():
     in_node = torch.tensor([info.rank + 1.0], device=info.device)
     dist.all_reduce(in_node, group=node_groups[info.node_rank])
 
-    rec = Recorder("lab01_ranks", config=vars(args), info=info)
+    rec = Recorder("lab01_ranks", config=vars(args))
     big = torch.ones(args.numel, device=info.device)
     for i in range(args.repeats):
         dist.barrier()

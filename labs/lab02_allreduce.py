@@ -17,8 +17,9 @@ The results record holds every measurement (metrics["sweep"]), alpha-beta fits (
 and the two ratios the chapter discusses, printed last.
 
 --demo measures nothing: it runs each collective once on small integer tensors (broadcast, reduce,
-all-reduce, reduce-scatter, all-gather, all-to-all), a barrier, and an async all-reduce read before its
-wait(), and records every rank's buffers before and after (metrics["demo"]) -- the chapter's pictures.
+all-reduce, reduce-scatter, all-gather, all-to-all), a barrier, an async all-reduce read before its
+wait(), and nanodist's ring all-reduce traced step by step, and records every rank's buffers before and
+after (metrics["demo"]) -- the chapter's pictures.
 """
 import argparse
 import math
@@ -183,6 +184,13 @@ def demo(info) -> dict:
     out["async"] = {"completed_at_once": done_early, "reads": reads, "original_before_wait": reads[0][0],
                     "final_before_wait": reads[0][1], "completed_after_wait": work.is_completed(),
                     "correct_after_wait": bool((big == final).all()), "reduce_scatter_get_future": future}
+
+    # nanodist's ring all-reduce, recorded after every step: rank r starts from n copies of 10^r.
+    ring = torch.full((n,), 10 ** rank, device=dev)
+    start, trace = ring.tolist(), []
+    collectives.ring_all_reduce(ring, trace=trace)
+    out["ring"] = {"start": start, "trace": [{"phase": t["phase"], "step": t["step"], "send": t["send"],
+                                              "buffer": t["buffer"].tolist()} for t in trace]}
     return out
 
 
@@ -214,7 +222,10 @@ def run_demo(info, rec: Recorder) -> None:
                            "barrier": {"call": "dist.barrier()", "work_ms": b["work_ms"], "start_ms": ms("start_s"),
                                        "arrive_ms": ms("arrive_s"), "leave_ms": ms("leave_s")},
                            "async": {"call": "dist.all_reduce(t, async_op=True)", "numel": ASYNC_NUMEL,
-                                     **per_rank("async")}}
+                                     **per_rank("async")},
+                           "ring": {"call": "nanodist.collectives.ring_all_reduce(t, trace=trace)",
+                                    "start": [r["ring"]["start"] for r in everyone],
+                                    "traces": [r["ring"]["trace"] for r in everyone]}}
     for name, d in by_name.items():
         print(d["call"])
         for r, (was, now) in enumerate(zip(d["before"], d["after"])):

@@ -14,7 +14,6 @@ At the end the lab prints tokens/s per implementation, the throughput ratios bet
 speedup and efficiency against the 1-rank baseline, and writes them to labs/results/lab03_ddp/.
 """
 import argparse
-import dataclasses
 import statistics
 
 import torch
@@ -79,9 +78,8 @@ def total_batch(args, world_size: int) -> int:
 
 def make_trainer(impl: str, args, info, tokens, vocab: int, record_timeline=False, progress=True):
     """A Trainer for `impl`, starting from the seeded initial weights (identical for every impl and rank)."""
-    world = 1 if impl == "single" else info.world_size
-    run_info = dataclasses.replace(info, rank=0 if impl == "single" else info.rank, world_size=world,
-                                   local_world_size=1 if impl == "single" else info.local_world_size)
+    group = nd.Group.local(info.device) if impl == "single" else info.group
+    world = group.size
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)).to(info.device)
     raw = model
@@ -96,13 +94,13 @@ def make_trainer(impl: str, args, info, tokens, vocab: int, record_timeline=Fals
     optimizer = torch.optim.AdamW(raw.configure_param_groups(weight_decay=0.1), lr=args.lr, betas=(0.9, 0.95))
     train_tokens, val_tokens = train_val_split(tokens)
     stream = lambda toks, seed: TokenStream(toks, batch_size=args.micro_batch, block_size=args.seq_len,
-                                            rank=run_info.rank, world_size=world, seed=seed, device=info.device)
+                                            rank=group.rank, world_size=world, seed=seed, device=info.device)
     cfg = TrainConfig(steps=args.steps, total_batch_tokens=total_batch(args, world), micro_batch=args.micro_batch,
                       seq_len=args.seq_len, lr=args.lr, warmup_steps=5, dtype=args.dtype, eval_batches=2,
                       log_every=0, progress=progress and not args.no_progress, wandb=args.wandb,
                       run_name=f"lab03-{impl}-{world}ranks")
     return Trainer(model, optimizer, stream(train_tokens, args.seed), cfg,
-                   val_data=stream(val_tokens, args.seed + 1), info=run_info)
+                   val_data=stream(val_tokens, args.seed + 1), group=group)
 
 
 def use_shared_memory(args, info) -> bool:
@@ -118,7 +116,7 @@ def summarize(impl: str, trainer) -> dict:
     step_s = statistics.median(h["time_s"] for h in timed)
     model = trainer.model
     out = {
-        "impl": impl, "world_size": trainer.info.world_size, "grad_accum": trainer.grad_accum,
+        "impl": impl, "world_size": trainer.group.size, "grad_accum": trainer.grad_accum,
         "tokens_per_step": trainer.tokens_per_step, "median_step_s": step_s,
         "tokens_per_s": trainer.tokens_per_step / step_s,
         "losses": [round(h["loss"], 5) for h in trainer.history],
@@ -233,8 +231,7 @@ def main():
         parser.error("--impl single is the 1-rank reference: run it without torchrun (or use --baseline)")
     baseline = args.baseline if args.baseline is not None else args.impl == "all"
 
-    rec = Recorder("lab03_ddp", config={**vars(args), "total_batch_tokens": total_batch(args, info.world_size)},
-                   info=info)
+    rec = Recorder("lab03_ddp", config={**vars(args), "total_batch_tokens": total_batch(args, info.world_size)})
     if baseline and info.world_size > 1:
         impls = ["single"] + impls
         nd.print0("== baseline: rank 0 trains alone, in turns with the others, while the other ranks wait")

@@ -119,7 +119,7 @@ def make_trainer(opt: str, args, info, tokens, vocab: int, stage: int | None = N
                       seq_len=args.seq_len, lr=args.lr, warmup_steps=5, dtype=args.dtype, eval_batches=2,
                       log_every=0, progress=False, run_name=f"lab04-{opt}")
     train = stream(train_tokens, args.seed)
-    trainer = Trainer(model, optimizer, train, cfg, val_data=stream(val_tokens, args.seed + 1), info=info)
+    trainer = Trainer(model, optimizer, train, cfg, val_data=stream(val_tokens, args.seed + 1))
     return {"opt": opt, "raw": raw, "trainer": trainer, "train": train}
 
 
@@ -240,7 +240,7 @@ def main():
     tokens = torch.tensor(tok.encode(text), dtype=torch.int64)
     opts = list(OPTS) if args.opt == "all" else [args.opt]
 
-    rec = Recorder("lab04_zero", config=vars(args), info=info)
+    rec = Recorder("lab04_zero", config=vars(args))
     if args.record_pipeline:
         pipeline = record_pipeline(args, info, tok.vocab_size)
         rec.metrics["pipeline"] = pipeline

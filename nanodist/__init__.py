@@ -7,6 +7,7 @@
 """
 from . import check, data, model
 from .ddp import DDP, NaiveDDP
+from .group import Group, Mesh
 from .optim import DistAdamW, DistMuon
 from .launch import LaunchError, LaunchResult, LaunchTimeout, launch
 from .results import Recorder
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "dist_info", "DistInfo", "DistConfigError", "get_rank", "get_world_size",
     "print0", "get_logger", "seed_everything", "launch", "LaunchResult", "LaunchError", "LaunchTimeout",
-    "Recorder", "DDP", "NaiveDDP", "DistAdamW", "DistMuon",
+    "Recorder", "DDP", "NaiveDDP", "DistAdamW", "DistMuon", "Group", "Mesh",
 ]

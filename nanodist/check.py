@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .group import Group
+
 _HINT = ("Usual causes: ranks initialised with different seeds and no broadcast, a rank that skipped an "
          "all-reduce or an optimizer step, gradient clipping or a learning-rate schedule applied on one rank "
          "only, or in-place edits of a parameter on one rank.")
@@ -33,28 +35,10 @@ _MASK64 = 2**64 - 1
 
 # ----------------------------------------------------------------------------- collectives, small helpers
 
-def _world(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def _global_rank(group, r: int) -> int:
-    """Messages name global ranks, the numbers people see in their logs, even for a subgroup."""
-    return r if group is None else dist.get_global_rank(group, r)
-
-
-def _comm_device(group) -> torch.device:
-    # nccl moves only CUDA tensors; gloo (and anything else) takes CPU tensors.
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
-    t = t.to(_comm_device(group)).contiguous()
-    out = [torch.empty_like(t) for _ in range(_world(group))]
-    dist.all_gather(out, t, group=group)
+def _all_gather(t: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    t = t.to(group.comm_device).contiguous()
+    out = [torch.empty_like(t) for _ in range(group.size)]
+    dist.all_gather(out, t, group=group.pg)
     return [o.cpu() for o in out]
 
 
@@ -78,14 +62,10 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return flat.contiguous().view(_INT_OF_SIZE[flat.element_size()])
 
 
-def _all_gather_object(obj, group) -> list:
-    out = [None] * _world(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _ranks(group, rs) -> str:
-    rs = [_global_rank(group, r) for r in rs]
+def _ranks(group: Group | None, rs) -> str:
+    """Messages name global ranks, the numbers people see in their logs, even for a subgroup (None: rs are
+    already the numbers to print)."""
+    rs = list(rs) if group is None else [group.global_rank(r) for r in rs]
     return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
 
 
@@ -137,8 +117,7 @@ def _stable_hash(obj) -> int:
 def _assert_in_sync(kind: str, items: list[tuple[str, torch.Tensor | None]], atol: float, group) -> None:
     """items: (name, tensor or None) in the same order on every rank. Raises AssertionError on every rank
     when names, presence, shapes, dtypes or values (beyond atol) differ."""
-    world = _world(group)
-    if world == 1:
+    if group.size == 1:
         return
     structure = [_structure_key(it) for it in items]
     sums = [_checksum(t).cpu() if t is not None else torch.zeros(2, dtype=torch.int64) for _, t in items]
@@ -151,7 +130,7 @@ def _assert_in_sync(kind: str, items: list[tuple[str, torch.Tensor | None]], ato
     if all(h == headers[0] for h in headers):
         return
     if any(h[0] != headers[0][0] for h in headers):
-        _raise_structure_mismatch(kind, _all_gather_object(structure, group), group)
+        _raise_structure_mismatch(kind, group.all_gather_object(structure), group)
 
     # Same structure, different bits somewhere: find which tensors, then compare their values.
     gathered = _all_gather(per_tensor, group)
@@ -198,7 +177,6 @@ def _raise_value_mismatch(kind, name, t, values, diffs, checksums, i, n_suspects
 
 
 def _raise_structure_mismatch(kind: str, structures: list[list[tuple]], group) -> None:
-    ref = structures[0]
     lines = [f"{kind} out of sync across {len(structures)} ranks: the ranks do not even hold the same tensors."]
     lengths = [len(s) for s in structures]
     for pos in range(max(lengths)):
@@ -246,7 +224,7 @@ def assert_params_in_sync(module: torch.nn.Module, *, atol: float = 0.0, group=N
     if buffers:
         items += [(f"buffer {n}", _local(b)) for n, b in module.named_buffers()]
     items = [(n, t) for n, t in items if t is not None]
-    _assert_in_sync("parameters", items, atol, group)
+    _assert_in_sync("parameters", items, atol, Group.resolve(group))
 
 
 def assert_grads_in_sync(module: torch.nn.Module, *, atol: float = 0.0, group=None) -> None:
@@ -260,7 +238,7 @@ def assert_grads_in_sync(module: torch.nn.Module, *, atol: float = 0.0, group=No
         if _local(p) is None:
             continue  # sharded parameter: its gradient is sharded too
         items.append((name, None if p.grad is None else _local(p.grad)))
-    _assert_in_sync("gradients", items, atol, group)
+    _assert_in_sync("gradients", items, atol, Group.resolve(group))
 
 
 def _optimizer_param_names(optimizer: torch.optim.Optimizer, names) -> dict[int, str]:
@@ -309,7 +287,7 @@ def assert_optimizer_state_in_sync(optimizer: torch.optim.Optimizer, *, atol: fl
                         items.append((f"{pnames[id(p)]}.{key}", t))
                 elif isinstance(value, (int, float)):
                     items.append((f"{pnames[id(p)]}.{key}", torch.tensor([float(value)], dtype=torch.float64)))
-    _assert_in_sync("optimizer state", items, atol, group)
+    _assert_in_sync("optimizer state", items, atol, Group.resolve(group))
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -366,7 +344,7 @@ def check_sampler_exactly_once(sampler_or_indices, dataset_len: int | None = Non
         mine = sampler.indices() if hasattr(sampler, "indices") else list(sampler)
         dataset_len = getattr(sampler, "dataset_len", None) if dataset_len is None else dataset_len
         drop_last = getattr(sampler, "drop_last", None) if drop_last is None else drop_last
-        per_rank = _all_gather_object([int(i) for i in mine], group) if _world(group) > 1 else [list(mine)]
+        per_rank = Group.resolve(group).all_gather_object([int(i) for i in mine])
     if dataset_len is None:
         raise ValueError("dataset_len is needed: pass the dataset's length (a ShardedSampler supplies its own)")
     if dataset_len < 1:

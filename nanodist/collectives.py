@@ -14,7 +14,7 @@ They mirror torch's contracts (`dist.all_reduce`, `dist.reduce_scatter_tensor`,
 `dist.all_gather_into_tensor`): same shapes, same results, any process group (`group=`), any world
 size, any length. The ring's schedule (`ring_schedule`) is a pure function, and `simulate()` replays
 it on a list of per-rank buffers in one process -- that is what the book draws, step by step;
-`trace_ring_all_reduce()` runs the real thing on processes and returns the same frames.
+`frames_from_traces()` turns what real processes recorded (`ring_all_reduce(t, trace=[])`) into the same frames.
 
 Reductions: op="sum" or "avg" (torch's ReduceOp.SUM / AVG work too). "avg" sums, then divides by the
 world size, like torch's gloo backend; on integer tensors it raises TypeError (torch raises too).
@@ -36,6 +36,8 @@ from itertools import zip_longest
 import torch
 import torch.distributed as dist
 
+from .group import Group
+
 OPS = ("sum", "avg")
 PHASES = ("reduce-scatter", "all-gather")
 
@@ -46,19 +48,15 @@ class CollectiveMismatch(RuntimeError):
 
 # ----------------------------------------------------------------------------- who is in the group
 
-def _group_ranks(group) -> tuple[int, int, list[int]]:
-    """(my rank in the group, group size, the global rank of every group member).
+def _group_ranks(group) -> tuple[int, int, list[int], object]:
+    """(my rank in the group, group size, the global rank of every group member, torch's process group handle).
 
     Point-to-point calls name peers by *global* rank even inside a subgroup, so we translate once.
     """
     if not dist.is_initialized():
         raise RuntimeError("no process group: call nanodist.init() (or torch.distributed.init_process_group) first")
-    group = group or dist.group.WORLD
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    if rank < 0:
-        raise ValueError(f"global rank {dist.get_rank()} is not a member of this process group: only its "
-                         f"members may call a collective on it (check the ranks you gave dist.new_group)")
-    return rank, size, [dist.get_global_rank(group, r) for r in range(size)]
+    g = Group.resolve(group)
+    return g.rank, g.size, list(g.ranks), g.pg
 
 
 def _op_name(op) -> str:
@@ -94,15 +92,15 @@ def free_buffers() -> None:
     _buffers.clear()
 
 
-def _post(sends=(), recvs=(), group=None) -> list:
+def _post(sends=(), recvs=(), pg=None) -> list:
     """Start sends [(tensor, global peer)] and receives [(tensor, global peer)] together; return the requests.
 
     Posting both sides of an exchange in one batch is what makes a ring deadlock-free: nobody waits
     for its send to finish before it has offered to receive. Empty tensors (and None) carry nothing
     and are skipped: both sides know the sizes, so they skip the same messages.
     """
-    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends if t is not None and t.numel() > 0]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs if t is not None and t.numel() > 0]
+    ops = [dist.P2POp(dist.isend, t, peer, pg) for t, peer in sends if t is not None and t.numel() > 0]
+    ops += [dist.P2POp(dist.irecv, t, peer, pg) for t, peer in recvs if t is not None and t.numel() > 0]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
@@ -120,7 +118,7 @@ def _segments(t: torch.Tensor) -> tuple:
     return t.tensor_split(max(1, t.numel() * t.element_size() // SEGMENT_BYTES))
 
 
-def _send_recv_add(outgoing, right, incoming, left, addend, result, group) -> None:
+def _send_recv_add(outgoing, right, incoming, left, addend, result, pg) -> None:
     """Send `outgoing` right while `incoming` arrives from the left; then result = incoming + addend.
 
     Pipelined: the messages travel as segments of about SEGMENT_BYTES, each segment's send and receive
@@ -128,7 +126,7 @@ def _send_recv_add(outgoing, right, incoming, left, addend, result, group) -> No
     front; each arriving segment is added while the next ones are still on the wire. `result` may be
     `incoming` or `addend`. The two messages can differ by one element, hence in segment count.
     """
-    batches = [_post([(out, right)], [(inc, left)], group)
+    batches = [_post([(out, right)], [(inc, left)], pg)
                for out, inc in zip_longest(_segments(outgoing), _segments(incoming))]
     for requests, seg, add, out in zip_longest(batches, _segments(incoming), _segments(addend), _segments(result)):
         _wait(requests)
@@ -200,7 +198,7 @@ _DESC_BYTES = 256
 
 def _check_same_call(desc: str, device: torch.device, group) -> None:
     """All ranks exchange `desc` (a fixed-size byte tensor, so this exchange itself cannot mismatch)."""
-    rank, size, _ = _group_ranks(group)
+    rank, size, _, _ = _group_ranks(group)
     raw = desc.encode()[:_DESC_BYTES]
     mine = torch.zeros(_DESC_BYTES, dtype=torch.uint8)
     mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
@@ -244,7 +242,7 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | No
     same values. `trace`, if a list, gets a snapshot of this rank's buffer after every step.
     """
     op = _op_name(op)
-    rank, n, peers = _group_ranks(group)
+    rank, n, peers, pg = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("ring_all_reduce", op, tensor=tensor), tensor.device, group)
     _check_op_dtype("ring_all_reduce", op, tensor.dtype)
@@ -257,13 +255,13 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | No
     for step in range(n - 1):  # reduce-scatter: add what arrives to our own copy of that chunk
         send, recv = ring_schedule(rank, n, "reduce-scatter", step)
         incoming = scratch[:chunks[recv].numel()]
-        _send_recv_add(chunks[send], right, incoming, left, addend=chunks[recv], result=chunks[recv], group=group)
+        _send_recv_add(chunks[send], right, incoming, left, addend=chunks[recv], result=chunks[recv], pg=pg)
         if op == "avg" and step == n - 2:  # chunk `rank` is complete: dividing only it is N times less work
             chunks[recv].div_(n)
         _record(trace, "reduce-scatter", step, send, recv, flat)
     for step in range(n - 1):  # all-gather: finished chunks travel round; receive straight into place
         send, recv = ring_schedule(rank, n, "all-gather", step)
-        _wait(_post([(chunks[send], right)], [(chunks[recv], left)], group))
+        _wait(_post([(chunks[send], right)], [(chunks[recv], left)], pg))
         _record(trace, "all-gather", step, send, recv, flat)
 
     if work is not tensor:
@@ -301,7 +299,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
     transposed view, a strided slice). Each rank sends (N-1)/N of input's bytes, in N-1 steps.
     """
     op = _op_name(op)
-    rank, n, peers = _group_ranks(group)
+    rank, n, peers, pg = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("ring_reduce_scatter", op, output=output, input=input), input.device, group)
     _check_op_dtype("ring_reduce_scatter", op, input.dtype)
@@ -331,7 +329,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
         outgoing = mine(send) if step == 0 else partial
         incoming = _scratch(m, inp, slot=step % 2)
         result = _flat(out) if step == n - 2 else incoming
-        _send_recv_add(outgoing, right, incoming, left, addend=mine(recv), result=result, group=group)
+        _send_recv_add(outgoing, right, incoming, left, addend=mine(recv), result=result, pg=pg)
         partial = incoming
     if op == "avg":
         out.div_(n)
@@ -348,7 +346,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     stacked). In place works too: `input` may be this rank's chunk of `output` (e.g. `output[r * m:(r + 1)
     * m]`). `output` may be non-contiguous. Each rank sends (N-1)/N of output's bytes, in N-1 steps.
     """
-    rank, n, peers = _group_ranks(group)
+    rank, n, peers, pg = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("ring_all_gather", None, output=output, input=input), input.device, group)
     _check_shapes("ring_all_gather", input, output, n, "input", "output")
@@ -368,7 +366,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     for step in range(n - 1):
         send, recv = ring_schedule(rank, n, "all-gather", step)
         # Step 0 sends our input itself, so copying it into our slot of output overlaps the transfer.
-        requests = _post([(inp if step == 0 else chunks[send], right)], [(chunks[recv], left)], group)
+        requests = _post([(inp if step == 0 else chunks[send], right)], [(chunks[recv], left)], pg)
         if step == 0 and not in_place:
             chunks[rank].copy_(inp)
         _wait(requests)
@@ -387,7 +385,7 @@ def naive_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | N
     2(N-1) messages of the whole tensor pass through rank 0's link: the baseline the ring beats.
     """
     op = _op_name(op)
-    rank, n, peers = _group_ranks(group)
+    rank, n, peers, pg = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("naive_all_reduce", op, tensor=tensor), tensor.device, group)
     _check_op_dtype("naive_all_reduce", op, tensor.dtype)
@@ -396,14 +394,14 @@ def naive_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | N
     if rank == 0:
         incoming = _scratch(flat.numel(), flat)
         for r in range(1, n):  # one at a time, in rank order: rank 0 has one link and one buffer
-            _wait(_post(recvs=[(incoming, peers[r])], group=group))
+            _wait(_post(recvs=[(incoming, peers[r])], pg=pg))
             flat.add_(incoming)
         if op == "avg":
             flat.div_(n)
-        _wait(_post(sends=[(flat, peers[r]) for r in range(1, n)], group=group))
+        _wait(_post(sends=[(flat, peers[r]) for r in range(1, n)], pg=pg))
     else:
-        _wait(_post(sends=[(flat, peers[0])], group=group))
-        _wait(_post(recvs=[(flat, peers[0])], group=group))
+        _wait(_post(sends=[(flat, peers[0])], pg=pg))
+        _wait(_post(recvs=[(flat, peers[0])], pg=pg))
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -419,7 +417,7 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None,
     Every rank ends with bitwise the same values (addition is commutative, and partners add the same pair).
     """
     op = _op_name(op)
-    rank, n, peers = _group_ranks(group)
+    rank, n, peers, pg = _group_ranks(group)
     if _check_enabled(check):
         _check_same_call(_describe("recursive_doubling_all_reduce", op, tensor=tensor), tensor.device, group)
     _check_op_dtype("recursive_doubling_all_reduce", op, tensor.dtype)
@@ -431,11 +429,11 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None,
 
     # Fold: among ranks 0..2*extra-1, even ranks give their tensor to the odd rank next to them and wait.
     if rank < 2 * extra and rank % 2 == 0:
-        _wait(_post(sends=[(flat, peers[rank + 1])], group=group))
-        _wait(_post(recvs=[(flat, peers[rank + 1])], group=group))
+        _wait(_post(sends=[(flat, peers[rank + 1])], pg=pg))
+        _wait(_post(recvs=[(flat, peers[rank + 1])], pg=pg))
     else:
         if rank < 2 * extra:
-            _wait(_post(recvs=[(incoming, peers[rank - 1])], group=group))
+            _wait(_post(recvs=[(incoming, peers[rank - 1])], pg=pg))
             flat.add_(incoming)
         # The survivors renumber 0..pow2-1 and double: partners differ in one bit of the new number.
         new = rank // 2 if rank < 2 * extra else rank - extra
@@ -443,13 +441,13 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op="sum", group=None,
         distance = 1
         while distance < pow2:
             partner = peers[old(new ^ distance)]
-            _wait(_post([(flat, partner)], [(incoming, partner)], group))
+            _wait(_post([(flat, partner)], [(incoming, partner)], pg))
             flat.add_(incoming)
             distance *= 2
         if op == "avg":
             flat.div_(n)
         if rank < 2 * extra:  # unfold: hand the result back
-            _wait(_post(sends=[(flat, peers[rank - 1])], group=group))
+            _wait(_post(sends=[(flat, peers[rank - 1])], pg=pg))
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -471,7 +469,7 @@ def simulate(buffers: list[torch.Tensor], op="sum") -> list[dict]:
     """Replay ring_all_reduce on `buffers` (one tensor per rank) in this process, for drawing.
 
     Returns frames: the start, then one per step -- {"phase", "step", "sends": [(src, dst, chunk)],
-    "buffers": [each rank's buffer after the step]} -- ending with every buffer equal to the reduction.
+    "bounds": each chunk's [start, end), "buffers": [each rank's buffer after the step]} -- ending with every buffer equal to the reduction.
     Uses the same ring_schedule and chunk_bounds as ring_all_reduce; the inputs are not modified.
     frames[N-1] is the state after the reduce-scatter phase: rank r holds the finished chunk r, which is
     what ring_reduce_scatter returns; the all-gather frames after it picture ring_all_gather.
@@ -481,7 +479,7 @@ def simulate(buffers: list[torch.Tensor], op="sum") -> list[dict]:
     _check_op_dtype("simulate", op, buffers[0].dtype)
     flats = [_flat(b.contiguous()).clone() for b in buffers]
     bounds = chunk_bounds(flats[0].numel(), n)
-    frames = [{"phase": "start", "step": -1, "sends": [], "buffers": [f.clone() for f in flats]}]
+    frames = [{"phase": "start", "step": -1, "sends": [], "bounds": bounds, "buffers": [f.clone() for f in flats]}]
     for phase in PHASES:
         for step in range(n - 1):
             sends = [(r, (r + 1) % n, ring_schedule(r, n, phase, step)[0]) for r in range(n)]
@@ -493,30 +491,27 @@ def simulate(buffers: list[torch.Tensor], op="sum") -> list[dict]:
             if phase == "reduce-scatter" and step == n - 2 and op == "avg":
                 for r in range(n):
                     flats[r][slice(*bounds[r])].div_(n)
-            frames.append({"phase": phase, "step": step, "sends": sends, "buffers": [f.clone() for f in flats]})
+            frames.append({"phase": phase, "step": step, "sends": sends, "bounds": bounds,
+                           "buffers": [f.clone() for f in flats]})
     return frames
 
 
-def _traced_worker(rank, world_size, values, dtype, op):
-    trace = []
-    ring_all_reduce(torch.tensor(values[rank], dtype=dtype), op=op, trace=trace)
-    # Plain lists travel back: a tensor would come back as a shared-memory handle that dies with this process.
-    return [(t["phase"], t["step"], t["send"], t["buffer"].tolist()) for t in trace]
+def frames_from_traces(buffers: list[torch.Tensor], traces: list[list[dict]]) -> list[dict]:
+    """Frames shaped like simulate()'s, from what every rank recorded with ring_all_reduce(..., trace=[...]).
 
-
-def trace_ring_all_reduce(buffers: list[torch.Tensor], op="sum", timeout: float = 120) -> list[dict]:
-    """Run ring_all_reduce for real on len(buffers) gloo processes (rank r starts from buffers[r]).
-
-    Returns frames shaped like simulate()'s, built from what every rank recorded after every step --
-    so a notebook can draw the real thing, and check that simulate() tells the truth. Costs a few
-    seconds (it starts the processes).
+    `buffers` are the ranks' starting tensors; traces[r] is rank r's trace list. lab02 --demo runs the ring on
+    real processes and stores its traces, so the book can draw the real thing and check simulate() against it.
     """
-    from .testing import spawn  # here, not at the top: only this helper starts processes
-    n = _check_buffers("trace_ring_all_reduce", buffers)
-    _check_op_dtype("trace_ring_all_reduce", _op_name(op), buffers[0].dtype)
-    traces = spawn(_traced_worker, n, args=([b.tolist() for b in buffers], buffers[0].dtype, op), timeout=timeout)
-    frames = [{"phase": "start", "step": -1, "sends": [], "buffers": [_flat(b.contiguous()).clone() for b in buffers]}]
-    for i, (phase, step, _, _) in enumerate(traces[0]):
-        frames.append({"phase": phase, "step": step, "sends": [(r, (r + 1) % n, traces[r][i][2]) for r in range(n)],
-                       "buffers": [_flat(torch.tensor(traces[r][i][3], dtype=buffers[0].dtype)) for r in range(n)]})
+    n = _check_buffers("frames_from_traces", buffers)
+    if len(traces) != n or len({len(t) for t in traces}) != 1:
+        raise ValueError(f"frames_from_traces: give one trace per rank, all of one length; got {len(traces)} traces "
+                         f"for {n} buffers")
+    start = [_flat(b.contiguous()).clone() for b in buffers]
+    bounds = chunk_bounds(start[0].numel(), n)
+    frames = [{"phase": "start", "step": -1, "sends": [], "bounds": bounds, "buffers": start}]
+    for i, entry in enumerate(traces[0]):
+        frames.append({"phase": entry["phase"], "step": entry["step"], "bounds": bounds,
+                       "sends": [(r, (r + 1) % n, traces[r][i]["send"]) for r in range(n)],
+                       "buffers": [_flat(torch.as_tensor(traces[r][i]["buffer"], dtype=buffers[0].dtype))
+                                   for r in range(n)]})
     return frames

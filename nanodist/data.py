@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Sampler
 
-from .runtime import dist_info
+from .group import Group
 
 # Seeds for (seed, epoch) pairs are seed * stride + epoch: unlike seed + epoch (torch's DistributedSampler),
 # seed=1 at epoch 0 does not replay seed=0 at epoch 1.
@@ -39,9 +39,9 @@ def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit values win; missing ones come from the default process group (or a world of one)."""
     if rank is None or world_size is None:
-        info = dist_info()
-        rank = info.rank if rank is None else rank
-        world_size = info.world_size if world_size is None else world_size
+        world = Group.world()
+        rank = world.rank if rank is None else rank
+        world_size = world.size if world_size is None else world_size
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:

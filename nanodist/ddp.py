@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .group import Group
+from .sync import DONE as _DONE
+from .sync import pack_buckets
 from .runtime import get_logger
 
 _ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run a function when backward ends
@@ -49,45 +52,17 @@ class _Bucket:
     shm_slots: list = None  # each parameter's slice of this rank's row of the shared memory
 
 
-class _Done:
-    """The handle of a reduction that has already finished."""
-
-    def wait(self) -> bool:
-        return True
-
-
-_DONE = _Done()
-
-
-def pack_buckets(tensors, cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
-    """Group consecutive tensors into buckets of at most `cap_bytes` (the first of `first_cap_bytes`) with one
-    dtype and device each; returns the buckets as lists of indices. A tensor larger than the cap gets its own."""
-    buckets, current, size = [], [], 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        cap = cap_bytes if buckets or first_cap_bytes is None else first_cap_bytes
-        head = tensors[current[0]] if current else None
-        if current and (size + nbytes > cap or t.dtype != head.dtype or t.device != head.device):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
-
-
 class _SyncBase(nn.Module):
     """What DDP and NaiveDDP share: wrapping, broadcasting rank 0's state, no_sync, the end-of-backward callback."""
 
-    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("nanodist.DDP needs an initialised process group: call nanodist.init() first "
                                "(or torch.distributed.init_process_group)")
         self.module = module
-        self.group = process_group
-        self.world_size = dist.get_world_size(process_group)
+        g = Group.resolve(group)
+        self.group, self.pg, self.world_size = g, g.pg, g.size
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
         self._callback_queued = False
@@ -109,8 +84,7 @@ class _SyncBase(nn.Module):
         sparse = {id(p) for m in self.module.modules() if getattr(m, "sparse", False) is True for p in m.parameters()}
         mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, id(p) in sparse)
                 for n, p in self.module.named_parameters()]
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
+        everyone = self.group.all_gather_object(mine)
         for r, theirs in enumerate(everyone):
             if theirs != everyone[0]:
                 diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b), None)
@@ -129,12 +103,11 @@ class _SyncBase(nn.Module):
         fp = torch.stack([torch.stack([t.double().sum(), t.double().pow(2).sum()]) for _, t in tensors]).flatten()
         fp = torch.nan_to_num(fp, nan=1.2345e300).to(tensors[0][1].device)
         allfp = [torch.empty_like(fp) for _ in range(self.world_size)]
-        dist.all_gather(allfp, fp, group=self.group)
+        dist.all_gather(allfp, fp, group=self.pg)
         differ = [tensors[i][0] for i in range(len(tensors))
                   if any(not torch.equal(a[2 * i:2 * i + 2], allfp[0][2 * i:2 * i + 2]) for a in allfp[1:])]
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         for _, t in tensors:
-            dist.broadcast(t.data, src=src, group=self.group)
+            dist.broadcast(t.data, src=self.group.global_rank(0), group=self.pg)
         if differ:
             get_logger().warning(f"DDP: ranks started with different values for {len(differ)} tensor(s) "
                                  f"({', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}); "
@@ -152,9 +125,8 @@ class _SyncBase(nn.Module):
             self._callback_queued = False
             self._reset()
         if self._sync_buffers and self.require_sync:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             for b in self._sync_buffers:  # e.g. BatchNorm running stats: rank 0's win, as in torch DDP
-                dist.broadcast(b.data, src=src, group=self.group)
+                dist.broadcast(b.data, src=self.group.global_rank(0), group=self.pg)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -201,11 +173,11 @@ class DDP(_SyncBase):
       so once and uses the process group.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None,
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  record_timeline: bool = False, first_bucket_cap_mb: float | None = None,
                  shared_memory: bool = False):
-        super().__init__(module, process_group, broadcast_buffers)
+        super().__init__(module, group, broadcast_buffers)
         first_bucket_cap_mb = bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
         if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
             raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={bucket_cap_mb}, "
@@ -309,7 +281,7 @@ class DDP(_SyncBase):
         if bucket.index == len(self.buckets) - 1:
             bucket.buffer[-1] = self._missing
         bucket.launched_at = time.perf_counter()
-        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
         if self.record_timeline:
             bucket.done_at = []
             bucket.work.get_future().then(lambda _f, b=bucket: b.done_at.append(time.perf_counter()))
@@ -350,7 +322,7 @@ class DDP(_SyncBase):
             flags = torch.ones(len(params), dtype=torch.int32, device=self.buckets[0].buffer.device)
             if no_grad:
                 flags[no_grad] = 0
-            dist.all_reduce(flags, group=self.group)
+            dist.all_reduce(flags, group=self.pg)
             unused_everywhere = {i for i, f in enumerate(flags.tolist()) if f == 0}
         self._wait_all()
         anyone_missing = self.buckets[-1].buffer[-1].item() > 0  # summed counts: > 0 if any rank missed one
@@ -400,8 +372,8 @@ class DDP(_SyncBase):
 class NaiveDDP(_SyncBase):
     """The baseline: after backward, one blocking all-reduce per parameter, no buckets, no overlap."""
 
-    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = True):
-        super().__init__(module, process_group, broadcast_buffers)
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True):
+        super().__init__(module, group, broadcast_buffers)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in self.trainable]
 
     def _grad_ready(self, p: nn.Parameter) -> None:
@@ -412,5 +384,5 @@ class NaiveDDP(_SyncBase):
         for _, p in self.trainable:
             if p.grad is None:  # unused here: join with zeros, or the ranks' all-reduces would pair up wrongly
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.group)
+            dist.all_reduce(p.grad, group=self.pg)
             p.grad.div_(self.world_size)

@@ -19,7 +19,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from .results import REPO_ROOT, load, new_run_id, results_dir
+from .runtime import free_port
 
 LABS_DIR = REPO_ROOT / "labs"
 _PREFIX = re.compile(r"^\[rank(\d+)\]:")
@@ -69,23 +69,6 @@ class LaunchResult:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-_issued_ports: set[int] = set()
-_port_lock = threading.Lock()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now, never the same twice in this process."""
-    with _port_lock:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in _issued_ports:
-                _issued_ports.add(port)
-                return port
-    raise RuntimeError("could not find a free TCP port on 127.0.0.1")
-
 
 def resolve_script(script: str | os.PathLike) -> Path:
     """A script path, or a lab name such as 'lab01_ranks' (looked up in labs/)."""
@@ -202,7 +185,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
             if attempt == 2 or isinstance(e, LaunchTimeout) or not _PORT_TAKEN.search(e.output):
                 raise
             if echo:
-                print(f"[launch] port was taken before torchrun could use it; retrying on another", flush=True)
+                print("[launch] port was taken before torchrun could use it; retrying on another", flush=True)
 
 
 _PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .results import Table
+from .table import Table
 
 STAGES = (0, 1, 2, 3)
 

@@ -222,15 +222,14 @@ def async_reads(entry: dict, ax=None):
 
 
 def ring_steps(frames: list[dict], ax=None, fmt: str = "{:g}"):
-    """Ring all-reduce step by step, from collectives.simulate() or trace_ring_all_reduce() frames.
+    """Ring all-reduce step by step, from collectives.simulate() or collectives.frames_from_traces() frames.
 
     One row per frame, one group of cells per rank (a cell per element, chunks side by side). A chunk's shade
     says how many ranks' contributions it holds (dark: all of them); the chunk each rank has just received
     from its left neighbour is outlined in red.
     """
-    from .collectives import chunk_bounds
     n, m = len(frames[0]["buffers"]), frames[0]["buffers"][0].numel()
-    bounds = chunk_bounds(m, n)
+    bounds = frames[0]["bounds"]
     texts = [[fmt.format(v) for v in b.tolist()] for f in frames for b in f["buffers"]]
     w = max(1.0, 0.3 * max(len(t) for row in texts for t in row) + 0.3)  # cell width for the longest number
     group = m * w + 0.8

@@ -29,6 +29,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from .group import Group
+from .table import Table
+
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_DIR = REPO_ROOT / "labs" / "results" / "reference"
@@ -175,9 +178,8 @@ def _jsonable(x):
 class Recorder:
     """Collects one run's steps and metrics and writes them (rank 0) as a validated results file."""
 
-    def __init__(self, lab: str, config: dict | None = None, argv: list[str] | None = None, info=None):
-        from .runtime import dist_info
-        self.info = info or dist_info()
+    def __init__(self, lab: str, config: dict | None = None, argv: list[str] | None = None, group=None):
+        self.group = Group.resolve(group)
         self.lab = lab
         self.config = dict(config or {})
         self.argv = list(sys.argv if argv is None else argv)
@@ -190,8 +192,8 @@ class Recorder:
         self.steps.append({"step": int(step), "time_s": float(time_s), **values})
 
     def record(self) -> dict:
-        info = self.info
-        nnodes = max(1, info.world_size // max(info.local_world_size, 1))
+        g = self.group
+        nnodes = max(1, g.size // max(int(os.environ.get("LOCAL_WORLD_SIZE", g.size)), 1))
         rec = {
             "schema_version": SCHEMA_VERSION,
             "lab": self.lab,
@@ -199,10 +201,10 @@ class Recorder:
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "argv": self.argv,
             "config": self.config,
-            "world_size": info.world_size,
+            "world_size": g.size,
             "nnodes": int(os.environ.get("NANODIST_NNODES", nnodes)),
-            "backend": info.backend,
-            "device": info.device.type,
+            "backend": g.backend if g.backend != "local" else "gloo",
+            "device": g.device.type,
             "steps": self.steps,
             "metrics": self.metrics,
             "hardware": hardware_fingerprint(),
@@ -211,7 +213,7 @@ class Recorder:
 
     def save(self, directory: str | Path | None = None) -> Path | None:
         """Write the file on global rank 0 (other ranks return None). Atomic: no half-written files."""
-        if self.info.rank != 0:
+        if self.group.rank != 0:
             return None
         out = Path(directory) if directory is not None else results_dir() / self.lab
         out.mkdir(parents=True, exist_ok=True)
@@ -283,48 +285,6 @@ def summarize(record: dict) -> dict:
             if isinstance(v, (int, float, str, bool)) or v is None:
                 row[prefix + k] = v
     return row
-
-
-class Table(list):
-    """A list of row dicts that prints as a table in a terminal and in Jupyter (no pandas needed)."""
-
-    @property
-    def columns(self) -> list[str]:
-        cols: list[str] = []
-        for row in self:
-            cols += [k for k in row if k not in cols]
-        return cols
-
-    def column(self, name: str) -> list:
-        return [row.get(name) for row in self]
-
-    def where(self, **equal) -> "Table":
-        """Rows whose fields equal every given value, e.g. t.where(lab="lab03_ddp", world_size=2)."""
-        return Table(r for r in self if all(r.get(k) == v for k, v in equal.items()))
-
-    def select(self, *names: str) -> "Table":
-        return Table({n: r.get(n) for n in names} for r in self)
-
-    def _cells(self):
-        cols = self.columns
-        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
-        return cols, [[fmt(r.get(c)) for c in cols] for r in self]
-
-    def __str__(self) -> str:
-        cols, rows = self._cells()
-        widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-        line = lambda cells: "  ".join(s.ljust(w) for s, w in zip(cells, widths)).rstrip()
-        return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-    def _repr_html_(self) -> str:
-        import html
-        cols, rows = self._cells()
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r) + "</tr>" for r in rows)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-    def __repr__(self) -> str:
-        return str(self)
 
 
 def table(records: list[dict] | None = None, lab: str | None = None) -> Table:

@@ -14,12 +14,16 @@ import datetime
 import logging
 import os
 import random
+import socket
 import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from . import group as _group
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 300.0
@@ -57,6 +61,11 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def group(self) -> "_group.Group":
+        """The world as a nanodist Group (what every module's `group=None` means)."""
+        return _group.Group.world()
 
 
 _info: DistInfo | None = None  # set by init(), cleared by shutdown()
@@ -207,6 +216,7 @@ def init(backend: str | None = None, device: str | torch.device | None = None, s
     timeout_s = _timeout_s(timeout)
     if dist.is_initialized():  # someone else made the group: describe it, do not own it
         _info = _describe_group(device, seed)
+        _group.set_world_device(_info.device)
         seed_everything(seed)
         return _info
     env = read_env()
@@ -224,6 +234,7 @@ def init(backend: str | None = None, device: str | torch.device | None = None, s
     else:
         _rendezvous(backend, env, dev, pg_timeout)
     _owns_group = True
+    _group.set_world_device(dev)
     _info = DistInfo(
         rank=env["rank"] if env else 0, local_rank=local_rank, world_size=world, local_world_size=local_world,
         node_rank=env["node_rank"] if env else 0, backend=backend, device=dev, seed=seed,
@@ -267,6 +278,7 @@ def shutdown() -> None:
     if _owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _info, _owns_group = None, False
+    _group.set_world_device(None)
 
 
 def dist_info() -> DistInfo:
@@ -284,6 +296,25 @@ def get_rank() -> int:
 
 def get_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# ----------------------------------------------------------------------------- ports
+
+_issued_ports: set[int] = set()
+_port_lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, never the same twice in this process."""
+    with _port_lock:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _issued_ports:
+                _issued_ports.add(port)
+                return port
+    raise RuntimeError("could not find a free TCP port on 127.0.0.1")
 
 
 # ----------------------------------------------------------------------------- printing and logging

@@ -31,7 +31,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .collectives import chunk_bounds
+from .group import Group
 
 
 def _shm_dir() -> str:
@@ -48,12 +48,11 @@ class SharedMemoryAllReduce:
     """
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32, group=None):
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        g = Group.resolve(group)
+        self.group, self.pg = g, g.pg
+        self.world_size, self.rank = g.size, g.rank
         self.numel, self.dtype = numel, dtype
-        hosts = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        hosts = g.all_gather_object(socket.gethostname())
         if len(set(hosts)) > 1:
             raise ValueError(f"shared memory needs every rank on one machine; these ranks run on "
                              f"{sorted(set(hosts))}: reduce through the process group instead")
@@ -76,8 +75,7 @@ class SharedMemoryAllReduce:
                 if os.path.exists(path):
                     os.unlink(path)
                 made = [f"error: {e}"]
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(made, src=src, group=group)
+        dist.broadcast_object_list(made, src=g.global_rank(0), group=g.pg)
         if made[0].startswith("error: "):
             raise OSError(f"could not allocate {nbytes / 2**20:.1f} MiB of shared memory in {_shm_dir()} "
                           f"({made[0][7:]}): reduce through the process group instead")
@@ -86,8 +84,7 @@ class SharedMemoryAllReduce:
             flat = torch.from_file(made[0], shared=True, size=(self.world_size + 1) * numel, dtype=dtype)
         except (OSError, RuntimeError) as e:
             error = f"rank {self.rank}: {e}"
-        errors = [None] * self.world_size  # every rank learns whether every rank mapped it
-        dist.all_gather_object(errors, error, group=group)
+        errors = g.all_gather_object(error)  # every rank learns whether every rank mapped it
         if self.rank == 0:
             os.unlink(made[0])  # everyone has mapped it (or failed to): the name is no longer needed
         if any(errors):
@@ -96,7 +93,10 @@ class SharedMemoryAllReduce:
         self.rows = flat.view(self.world_size + 1, numel)
         self.mine = self.rows[self.rank]  # write this rank's contribution here to save a copy
         self.result = self.rows[self.world_size]
-        self.lo, self.hi = chunk_bounds(numel, self.world_size)[self.rank]
+        # This rank adds up elements [lo, hi) of every row: chunks as even as they can be, the first ones one longer.
+        base, extra = divmod(numel, self.world_size)
+        self.lo = self.rank * base + min(self.rank, extra)
+        self.hi = self.lo + base + (self.rank < extra)
 
     def all_reduce_(self, tensor: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         """Sum over ranks, in place. With `tensor=None` the contribution is whatever this rank wrote into
@@ -112,10 +112,10 @@ class SharedMemoryAllReduce:
                 torch.mul(tensor.reshape(-1), scale, out=self.mine)
         elif scale is not None:
             self.mine.mul_(scale)
-        dist.barrier(group=self.group)
+        dist.barrier(group=self.pg)
         lo, hi = self.lo, self.hi
         torch.sum(self.rows[:self.world_size, lo:hi], dim=0, out=self.result[lo:hi])
-        dist.barrier(group=self.group)
+        dist.barrier(group=self.pg)
         if tensor is None:
             return self.result
         if tensor.is_contiguous():

@@ -20,7 +20,7 @@ import time
 import traceback as tb
 from typing import Any, Callable
 
-from .launch import free_port
+from .runtime import free_port
 
 
 class WorkerError(RuntimeError):

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .runtime import dist_info, print0, synchronize
+from .group import Group
+from .runtime import print0, synchronize
 
 
 @dataclass
@@ -88,10 +89,11 @@ class WandbLogger:
     If wandb is missing or fails to start, the run goes on and says so once.
     """
 
-    def __init__(self, enabled: bool, project: str, config: dict, name: str | None = None, directory=None):
+    def __init__(self, enabled: bool, project: str, config: dict, name: str | None = None, directory=None,
+                 is_main: bool | None = None):
         self.run = None
         self.message = None
-        if not enabled or not dist_info().is_main:
+        if not enabled or not (Group.world().is_main if is_main is None else is_main):
             return
         try:
             import wandb
@@ -155,14 +157,14 @@ class Trainer:
     - recorder: a nanodist.results.Recorder to receive per-step results (optional).
     """
 
-    def __init__(self, model, optimizer, train_data, cfg: TrainConfig, val_data=None, recorder=None, info=None):
+    def __init__(self, model, optimizer, train_data, cfg: TrainConfig, val_data=None, recorder=None, group=None):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.train_data, self.val_data, self.recorder = train_data, val_data, recorder
-        self.info = info or dist_info()
+        self.group = Group.resolve(group)
         self.grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch, cfg.seq_len,
-                                           self.info.world_size)
-        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * self.info.world_size * self.grad_accum
-        autocast(cfg.dtype, self.info.device)  # validate early
+                                           self.group.size)
+        self.tokens_per_step = cfg.micro_batch * cfg.seq_len * self.group.size * self.grad_accum
+        autocast(cfg.dtype, self.group.device)  # validate early
         for group in optimizer.param_groups:
             group.setdefault("base_lr", group["lr"])  # groups may have their own lr; the schedule scales it
         if hasattr(optimizer, "max_grad_norm"):
@@ -172,14 +174,14 @@ class Trainer:
         self._wandb, self._bar = None, None
 
     def _sync_device(self) -> None:
-        synchronize(self.info.device)
+        synchronize(self.group.device)
 
     def _mean_over_ranks(self, value: float) -> float:
-        if self.info.world_size == 1:
+        if self.group.size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(t)
-        return t.item() / self.info.world_size
+        t = torch.tensor([value], dtype=torch.float64, device=self.group.comm_device)
+        dist.all_reduce(t, group=self.group.pg)
+        return t.item() / self.group.size
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -190,7 +192,7 @@ class Trainer:
         losses = []
         for _ in range(self.cfg.eval_batches):
             x, y = next(self.val_data)
-            with autocast(self.cfg.dtype, self.info.device):
+            with autocast(self.cfg.dtype, self.group.device):
                 _, loss = self.model(x, y)
             losses.append(loss.float().item())
         self.model.train()
@@ -210,7 +212,7 @@ class Trainer:
             last = micro == self.grad_accum - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                with autocast(cfg.dtype, self.info.device):
+                with autocast(cfg.dtype, self.group.device):
                     _, loss = self.model(x, y)
                 (loss / self.grad_accum).backward()
             loss_sum += loss.detach()
@@ -231,11 +233,11 @@ class Trainer:
 
     def fit(self, max_steps: int | None = None) -> list[dict]:
         """Train until cfg.steps (or `max_steps` more steps: fit can be called again to go on). Returns history."""
-        cfg, info = self.cfg, self.info
+        cfg, group = self.cfg, self.group
         if self._wandb is None:  # opened on the first call, closed when the last step is done
-            self._wandb = WandbLogger(cfg.wandb, cfg.wandb_project, {**asdict(cfg), "world_size": info.world_size},
-                                      name=cfg.run_name)
-            if cfg.progress and info.is_main:
+            self._wandb = WandbLogger(cfg.wandb, cfg.wandb_project, {**asdict(cfg), "world_size": group.size},
+                                      name=cfg.run_name, is_main=Group.world().is_main)
+            if cfg.progress and group.is_main:
                 from tqdm.auto import tqdm
                 self._bar = tqdm(total=cfg.steps, desc=cfg.run_name or "train", leave=False)
         stop = cfg.steps if max_steps is None else min(cfg.steps, self.step + max_steps)

@@ -427,11 +427,21 @@ def test_simulate_and_schedule_without_processes():
     assert torch.equal(C.simulate(bufs, op=dist.ReduceOp.AVG)[-1]["buffers"][0], torch.arange(5.0) * 2.5)
 
 
-def test_trace_ring_all_reduce_shows_the_real_ranks():
-    """The notebook's helper: the real ring on 3 processes, frame for frame what simulate() draws."""
+def _traced_ring(rank, world_size, values, op):
+    trace = []
+    C.ring_all_reduce(torch.tensor(values[rank]), op=op, trace=trace)
+    return [{**t, "buffer": t["buffer"].tolist()} for t in trace]
+
+
+def test_traced_ring_all_reduce_shows_the_real_ranks():
+    """What real processes record, turned into frames, is frame for frame what simulate() draws."""
     bufs = [torch.arange(7.0) * (r + 1) - 3 for r in range(3)]
-    real, sim = C.trace_ring_all_reduce(bufs, op="avg", timeout=60), C.simulate(bufs, op="avg")
-    assert [(f["phase"], f["step"], f["sends"]) for f in real] == [(f["phase"], f["step"], f["sends"]) for f in sim]
+    traces = spawn(_traced_ring, 3, args=([b.tolist() for b in bufs], "avg"), timeout=60)
+    real, sim = C.frames_from_traces(bufs, traces), C.simulate(bufs, op="avg")
+    assert [(f["phase"], f["step"], f["sends"], f["bounds"]) for f in real] == \
+        [(f["phase"], f["step"], f["sends"], f["bounds"]) for f in sim]
     for a, b in zip(real, sim):
         assert all(torch.equal(x, y) for x, y in zip(a["buffers"], b["buffers"])), (a["phase"], a["step"])
     assert all(torch.equal(b, torch.arange(7.0) * 2 - 3) for b in real[-1]["buffers"])
+    with pytest.raises(ValueError, match="one trace per rank"):
+        C.frames_from_traces(bufs, traces[:2])

@@ -4,8 +4,10 @@ import importlib.util
 import re
 
 import pytest
+import torch
 
 import nanodist
+from nanodist import collectives
 from nanodist.results import REPO_ROOT
 
 OPS = ["dist.all_reduce", "ring_all_reduce", "naive_all_reduce", "recursive_doubling_all_reduce",
@@ -121,5 +123,11 @@ def test_demo_records_every_ranks_buffers(tmp_path):
                zip(a["reads"], a["original_before_wait"], a["final_before_wait"]))
     assert all(0 <= o and 0 <= f and o + f <= 1 for reads in a["reads"] for o, f in reads)  # one snapshot per read
     assert all(f.startswith("RuntimeError") and "not implemented" in f for f in a["reduce_scatter_get_future"])
+    ring = demo["ring"]  # nanodist's ring, traced on the real ranks: what simulate() draws, frame for frame
+    start = [torch.tensor(b) for b in ring["start"]]
+    assert [b.tolist() for b in start] == [[10 ** r] * n for r in range(n)]
+    real, sim = collectives.frames_from_traces(start, ring["traces"]), collectives.simulate(start)
+    assert len(real) == 1 + 2 * (n - 1) and [f["sends"] for f in real] == [f["sends"] for f in sim]
+    assert all(torch.equal(x, y) for a, b in zip(real, sim) for x, y in zip(a["buffers"], b["buffers"]))
     lines = run.lines(0)
     assert "dist.all_reduce(t)" in lines and f"  rank 0: {mine[0]} -> {total}" in lines

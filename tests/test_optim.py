@@ -257,14 +257,14 @@ def check_errors(rank, W):
 
 
 def check_subgroup(rank, W):
-    """process_group=: ranks 0 and 1 of a larger world train alone; the others do not take part."""
+    """group=: ranks 0 and 1 of a larger world train alone; the others do not take part."""
     sub = dist.new_group([0, 1])  # every rank must call new_group, members or not
     if rank > 1:
         return None
     ps, rs = make_params(ADAMW_SHAPES)
-    opt, ref = DistAdamW(ps, lr=1e-2, process_group=sub), torch.optim.AdamW(rs, lr=1e-2)
+    opt, ref = DistAdamW(ps, lr=1e-2, group=sub), torch.optim.AdamW(rs, lr=1e-2)
     ms, rms = make_params(MUON_SHAPES, seed=2)
-    muon, ref_muon = DistMuon(ms, lr=0.02, process_group=sub), torch.optim.Muon(rms, lr=0.02)
+    muon, ref_muon = DistMuon(ms, lr=0.02, group=sub), torch.optim.Muon(rms, lr=0.02)
     for t in range(5):
         gs = grads_for(ADAMW_SHAPES + MUON_SHAPES, t, 2)
         for i, p in enumerate(ps + ms):

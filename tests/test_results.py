@@ -4,12 +4,12 @@ import json
 import pytest
 
 from nanodist import results
+from nanodist.group import Group
 from nanodist.results import Recorder, ResultsError, load, load_all, table, validate
 
 
 def write_run(directory, lab="lab_x", world_size=1, steps=(0.5, 0.25, 0.75), host="laptop", **metrics):
-    rec = Recorder(lab, config={"size": 3})
-    rec.info = rec.info.__class__(world_size=world_size, local_world_size=world_size)
+    rec = Recorder(lab, config={"size": 3}, group=Group(size=world_size, ranks=tuple(range(world_size))))
     for i, t in enumerate(steps):
         rec.step(step=i, time_s=t, loss=1.0 / (i + 1))
     rec.metrics.update(metrics)
@@ -38,8 +38,7 @@ def test_recorder_writes_a_valid_file_in_the_results_dir(results_dir):
 
 
 def test_only_rank0_writes(results_dir):
-    rec = Recorder("lab_x")
-    rec.info = rec.info.__class__(rank=1, world_size=2)
+    rec = Recorder("lab_x", group=Group(rank=1, size=2, backend="gloo", ranks=(0, 1)))
     assert rec.save() is None
     assert not (results_dir / "lab_x").exists()
 

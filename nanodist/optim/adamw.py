@@ -27,11 +27,11 @@ class DistAdamW(ShardedOptimizer):
     """AdamW with optimizer state (and, at zero_stage=2, the averaged gradient) sharded over the ranks.
 
     Arguments as torch.optim.AdamW (lr, betas, eps, weight_decay; param groups may override them),
-    plus process_group, and zero_stage / bucket_cap_mb / collectives (see ShardedOptimizer).
+    plus group, and zero_stage / bucket_cap_mb / collectives (see ShardedOptimizer).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, process_group=None, *, zero_stage: int = 2,
+                 weight_decay: float = 0.01, group=None, *, zero_stage: int = 2,
                  bucket_cap_mb: float = 25.0, collectives: str = "auto"):
         # The same checks and messages as torch.optim.AdamW.
         if not 0.0 <= lr:
@@ -45,7 +45,7 @@ class DistAdamW(ShardedOptimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, process_group=process_group, zero_stage=zero_stage,
+        super().__init__(params, defaults, group=group, zero_stage=zero_stage,
                          bucket_cap_mb=bucket_cap_mb, collectives=collectives)
 
     def _layout(self, items):

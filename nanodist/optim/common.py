@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import ring_all_gather, ring_reduce_scatter
-from ..ddp import pack_buckets
+from ..group import Group
+from ..sync import Work as _Work
+from ..sync import pack_buckets
 
 # torch >= 2.13 renamed the single-tensor collectives; older versions only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -72,23 +74,6 @@ class Bucket:
     shard: torch.Tensor | None = None  # zero_stage=2: the buffer of this rank's averaged gradient, reused
 
 
-class _Work:
-    """A collective in flight, holding its tensors until wait() returns.
-
-    On nccl the buffers of an async collective must outlive it: if the handle and tensors were dropped
-    early, the caching allocator could hand their memory to another tensor mid-transfer. gloo has no
-    get_future() for reduce-scatter, so the handle itself is what we keep.
-    """
-
-    def __init__(self, work=None, *tensors: torch.Tensor):
-        self.work, self.tensors = work, tensors
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-        self.work, self.tensors = None, ()
-
-
 @dataclass
 class _Pending:
     """One bucket's step: its buffers and the collective in flight."""
@@ -101,21 +86,10 @@ class _Pending:
     gather: _Work | None = None
 
 
-def _group_info(group) -> tuple[int, int, str | None]:
-    """(world size, my rank, backend) of `group`, or of the default group; (1, 0, None) without any."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0, None
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process_group given "
-                         f"to the optimizer: create the optimizer only on the group's members")
-    return world, rank, str(dist.get_backend(group)).lower()
-
-
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base of DistAdamW and DistMuon: the sharded step. Subclasses define `_layout` and `_update`.
 
-    - process_group: the ranks that share the work (default: the default group; none at all = 1 rank),
+    - group: the ranks that share the work (default: the world; none at all = 1 rank),
       read when the optimizer is built: create it after nanodist.init().
     - zero_stage: 2 (default) keeps only this rank's shard of the averaged gradient; the full local
       gradients are consumed by step() (every p.grad is None afterwards). 1 all-reduces the gradients
@@ -128,7 +102,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
       `last_grad_norm` then holds that norm after each step.
     """
 
-    def __init__(self, params, defaults: dict, *, process_group=None, zero_stage: int = 2,
+    def __init__(self, params, defaults: dict, *, group=None, zero_stage: int = 2,
                  bucket_cap_mb: float = 25.0, collectives: str = "auto"):
         name = type(self).__name__
         if zero_stage not in (1, 2):
@@ -138,8 +112,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         if collectives not in COLLECTIVES:
             raise ValueError(f"{name}: collectives must be one of {', '.join(COLLECTIVES)}, got {collectives!r}")
-        self.group = process_group
-        self.world_size, self.rank, self.backend = _group_info(process_group)
+        g = Group.resolve(group)
+        self.group, self.pg = g, g.pg
+        self.world_size, self.rank, self.backend = g.size, g.rank, g.backend
         self.zero_stage = zero_stage
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         # gloo's reduce_scatter_tensor is an all-reduce in disguise (each rank moves the whole buffer both
@@ -248,16 +223,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ring_reduce_scatter(out, inp, group=self.group)  # synchronous: done when it returns
             return _Work()
         # The flat (concatenated) form: gloo's version rejects the stacked (world_size, row) one.
-        return _Work(_reduce_scatter_single(out, inp.view(-1), group=self.group, async_op=True), out, inp)
+        return _Work(_reduce_scatter_single(out, inp.view(-1), group=self.pg, async_op=True), out, inp)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Work:
         if self.use_ring:
             ring_all_gather(out, inp, group=self.group)
             return _Work()
-        return _Work(_all_gather_single(out.view(-1), inp, group=self.group, async_op=True), out, inp)
+        return _Work(_all_gather_single(out.view(-1), inp, group=self.pg, async_op=True), out, inp)
 
     def _all_reduce(self, t: torch.Tensor) -> _Work:
-        return _Work(dist.all_reduce(t, group=self.group, async_op=True), t)
+        return _Work(dist.all_reduce(t, group=self.pg, async_op=True), t)
 
     # ----------------------------------------------------------------------------- the step, in phases
 
@@ -511,7 +486,7 @@ class CombinedOptimizer:
                                 f"{type(o).__name__}: step a torch optimizer yourself, next to it")
         lead = self.optimizers[0]
         for o in self.optimizers[1:]:
-            if (o.world_size, o.rank, o.group) != (lead.world_size, lead.rank, lead.group):
+            if (o.world_size, o.rank, o.group.ranks) != (lead.world_size, lead.rank, lead.group.ranks):
                 raise ValueError("CombinedOptimizer: all optimizers must use the same process group")
         seen = set()
         for o in self.optimizers:

@@ -95,7 +95,7 @@ def newton_schulz_singular_values(matrix: torch.Tensor, ns_steps: int = DEFAULT_
 class DistMuon(ShardedOptimizer):
     """torch.optim.Muon, with whole matrices distributed over the ranks and gradients averaged inside step().
 
-    Same arguments and defaults as torch.optim.Muon, plus process_group and zero_stage / bucket_cap_mb /
+    Same arguments and defaults as torch.optim.Muon, plus group and zero_stage / bucket_cap_mb /
     collectives (see ShardedOptimizer). Only 2-D parameters: give the others to DistAdamW
     (split_params_for_muon sorts a model's parameters, make_muon_optimizer builds both).
     """
@@ -103,7 +103,7 @@ class DistMuon(ShardedOptimizer):
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
                  eps: float = DEFAULT_EPS, ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: str | None = None,
-                 process_group=None, *, zero_stage: int = 2, bucket_cap_mb: float = 25.0,
+                 group=None, *, zero_stage: int = 2, bucket_cap_mb: float = 25.0,
                  collectives: str = "auto"):
         # torch.optim.Muon's checks and messages; the Newton-Schulz ones too, up front, so that no rank
         # fails in the middle of a step while the others wait in a collective.
@@ -122,7 +122,7 @@ class DistMuon(ShardedOptimizer):
             raise ValueError("Coefficients must be a tuple of exactly 3 values")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        super().__init__(params, defaults, process_group=process_group, zero_stage=zero_stage,
+        super().__init__(params, defaults, group=group, zero_stage=zero_stage,
                          bucket_cap_mb=bucket_cap_mb, collectives=collectives)
 
     def _check_param(self, p, where):
@@ -196,7 +196,7 @@ def split_params_for_muon(model: nn.Module, exclude: tuple[str, ...] = ("lm_head
 
 def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 0.02, weight_decay: float = 0.1,
                         muon_weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
-                        momentum: float = 0.95, exclude: tuple[str, ...] = ("lm_head",), process_group=None,
+                        momentum: float = 0.95, exclude: tuple[str, ...] = ("lm_head",), group=None,
                         **kwargs) -> CombinedOptimizer:
     """DistMuon for the hidden matrices, DistAdamW for the rest (weight decay on embeddings, none on 1-D),
     stepped together. kwargs (zero_stage, bucket_cap_mb, collectives) go to both."""
@@ -205,9 +205,9 @@ def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 
     no_decay = [(n, p) for n, p in adamw if p.ndim < 2]
     groups = [{"params": [p for _, p in ps], "param_names": [n for n, _ in ps], "weight_decay": wd}
               for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
-    optimizers = [DistAdamW(groups, lr=lr, betas=betas, process_group=process_group, **kwargs)]
+    optimizers = [DistAdamW(groups, lr=lr, betas=betas, group=group, **kwargs)]
     if muon:
         optimizers.append(DistMuon([{"params": [p for _, p in muon], "param_names": [n for n, _ in muon]}],
                                    lr=muon_lr, weight_decay=muon_weight_decay, momentum=momentum,
-                                   process_group=process_group, **kwargs))
+                                   group=group, **kwargs))
     return CombinedOptimizer(optimizers)
