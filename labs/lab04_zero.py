@@ -204,8 +204,8 @@ def record_pipeline(args, info, vocab: int) -> dict:
                     zero_stage=2, collectives=args.collectives)
     g = torch.Generator().manual_seed(info.data_seed)  # a different batch on every rank
     x, y = torch.randn(4, 5, generator=g).to(info.device), torch.randn(4, 2, generator=g).to(info.device)
+    opt.record_next_step()  # before backward: the gradients are reduce-scattered (and freed) while it runs
     F.mse_loss(toy(x), y).backward()
-    opt.record_next_step()
     opt.step()
     flat = lambda t: None if t is None else t.detach().cpu().flatten().tolist()  # noqa: E731
     mine = [{"name": e["name"], "shape": list(e["shape"]), "grad": flat(e["grad"]),
@@ -215,13 +215,13 @@ def record_pipeline(args, info, vocab: int) -> dict:
     # DistMuon on the lab's model: one step, then the matrices whose momentum lives on this rank.
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig.preset(args.model, vocab_size=vocab, block_size=args.seq_len)).to(info.device)
-    combined = make_muon_optimizer(model, collectives=args.collectives)
-    muon = combined.optimizers[-1]
+    opt = make_muon_optimizer(model, collectives=args.collectives)
     idx = torch.randint(0, vocab, (2, args.seq_len), generator=g).to(info.device)
     model(idx, idx)[1].backward()
-    combined.step()
-    named = [(n, p) for group in muon.param_groups for n, p in zip(group["param_names"], group["params"])]
-    owned = [{"name": n, "shape": list(p.shape), "numel": p.numel()} for n, p in named if muon.state.get(p)]
+    opt.step()
+    named = [(n, p) for group in opt.param_groups if group["kind"] == "muon"
+             for n, p in zip(group["param_names"], group["params"])]
+    owned = [{"name": n, "shape": list(p.shape), "numel": p.numel()} for n, p in named if opt.state.get(p)]
     return {"toy": {"before": before, "names": names, "ranks": gather(mine, info)},
             "muon": {"model": args.model, "matrices": [{"name": n, "shape": list(p.shape), "numel": p.numel()}
                                                         for n, p in named],

@@ -1,11 +1,44 @@
-"""The gradient-sync engine: buckets of gradients, and the handles of collectives in flight.
+"""The gradient-sync engine: gradients leave in buckets while backward is still running.
 
-DDP (chapter 3) and the sharded optimizers (chapter 4) share what is here; see ARCHITECTURE.md.
+DDP (chapter 3) and the sharded optimizers (chapter 4) both average gradients over the ranks, and both
+want the communication to start as soon as a group of gradients is ready, not after backward. This
+file is the machinery they share:
+
+    Bucket    a run of parameters whose gradients travel in one flat buffer; its Slots say which
+              elements of which parameter sit where in that buffer
+    GradSync  one autograd hook per parameter; when a bucket is complete it is *launched* (the owner
+              packs it and starts its collective), strictly in bucket order on every rank; when
+              backward ends, the remaining buckets are launched and every collective is waited for
+    collectives  all_reduce_sum, reduce_scatter_sum, all_gather: async where the backend allows,
+              nanodist's synchronous ring (chapter 2) where it moves fewer bytes (gloo)
+
+What a bucket's collective is, and what happens to the result, belongs to the owner, which passes two
+functions: `launch(bucket) -> Work` and `finish(missing)`. DDP all-reduces the bucket and points each
+p.grad at its slice; DistAdamW reduce-scatters it and keeps only this rank's rows (ZeRO-2).
+
+An observer (`Observer`, e.g. `BucketTimeline`) sees each event, and only when one is attached: with
+none, the hooks take no timestamps and copy nothing.
 """
 from __future__ import annotations
 
-import torch
+import functools
+import time
+from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
+
+from .collectives import ring_all_gather, ring_reduce_scatter
+from .group import Group
+
+_ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run a function when backward ends
+
+# torch >= 2.13 renamed the single-tensor collectives; older versions only have the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ----------------------------------------------------------------------------- work handles
 
 class Work:
     """A collective in flight, holding its tensors until wait() returns.
@@ -24,9 +57,50 @@ class Work:
         self.work, self.tensors = None, ()
         return True
 
+    def future(self):
+        """The torch future of an async collective (None when done already, or when the backend has none)."""
+        try:
+            return self.work.get_future() if self.work is not None else None
+        except RuntimeError:
+            return None
+
 
 DONE = Work()  # the handle of a reduction that has already finished
 
+
+# ----------------------------------------------------------------------------- collectives
+
+def all_reduce_sum(buffer: torch.Tensor, group: Group) -> Work:
+    """Sum `buffer` over the group, in place, asynchronously."""
+    if group.size == 1:
+        return DONE
+    return Work(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), buffer)
+
+
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool) -> Work:
+    """out = the sum over ranks of row `rank` of inp, shape (size, *out.shape). The ring is synchronous."""
+    if group.size == 1:
+        out.copy_(inp[0])
+        return DONE
+    if ring:
+        ring_reduce_scatter(out, inp, group=group)
+        return DONE
+    # The flat (concatenated) form: gloo's version rejects the stacked (size, row) one.
+    return Work(_reduce_scatter_single(out, inp.view(-1), group=group.pg, async_op=True), out, inp)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool) -> Work:
+    """Row r of out (shape (size, *inp.shape)) = rank r's inp. The ring is synchronous."""
+    if group.size == 1:
+        out[0].copy_(inp)
+        return DONE
+    if ring:
+        ring_all_gather(out, inp, group=group)
+        return DONE
+    return Work(_all_gather_single(out.view(-1), inp, group=group.pg, async_op=True), out, inp)
+
+
+# ----------------------------------------------------------------------------- buckets
 
 def pack_buckets(tensors, cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
     """Group consecutive tensors into buckets of at most `cap_bytes` (the first of `first_cap_bytes`) with one
@@ -44,3 +118,215 @@ def pack_buckets(tensors, cap_bytes: int, first_cap_bytes: int | None = None) ->
     if current:
         buckets.append(current)
     return buckets
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One contiguous run of a parameter's flattened gradient, and where it sits in its bucket's buffer."""
+
+    param: int  # index of the parameter in the engine's list
+    start: int  # first element, counted in param.view(-1)
+    numel: int
+    offset: int  # first element in the bucket's flat buffer
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients travel in one flat buffer of `numel` elements; the owner fills in the rest."""
+
+    index: int
+    params: list[int]  # indices into the engine's parameters
+    slots: list[Slot]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    ready: int = 0  # parameters of this bucket whose gradient has arrived in this backward
+    work: Work | None = None  # the collective in flight
+    extra: dict = field(default_factory=dict)  # the owner's per-bucket state (buffers, shards)
+
+    def pack(self, buffer: torch.Tensor, grads: list[torch.Tensor | None]) -> None:
+        """Copy every slot of the gradients into the flat `buffer`; a missing gradient (None) leaves zeros."""
+        dst, src = [], []
+        for s in self.slots:
+            g = grads[s.param]
+            if g is not None:
+                dst.append(buffer[s.offset:s.offset + s.numel])
+                src.append(g.reshape(-1)[s.start:s.start + s.numel])
+            else:
+                buffer[s.offset:s.offset + s.numel].zero_()
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+
+# ----------------------------------------------------------------------------- observers
+
+class Observer:
+    """Receives the engine's events; the base does nothing. Attach one with GradSync(..., observer=)."""
+
+    def backward_started(self) -> None: ...
+
+    def grad_ready(self, index: int, grad: torch.Tensor) -> None: ...
+
+    def bucket_launched(self, bucket: Bucket) -> None: ...
+
+    def autograd_finished(self) -> None: ...
+
+    def synced(self, buckets: list[Bucket]) -> None: ...
+
+
+class BucketTimeline(Observer):
+    """When each bucket left and arrived, per backward: the DDP timeline of chapter 3.
+
+    `entries` gets one dict per bucket per backward: bucket, numel, launch_s, done_s, autograd_end_s and
+    synced_s, in seconds since the first gradient of that backward. A collective's completion time comes
+    from its future (gloo: exact; CUDA: when the kernel was enqueued, not finished) or, for a collective
+    that finishes before it returns (the ring, shared memory), from the moment it returned.
+    """
+
+    def __init__(self):
+        self.entries: list[dict] = []
+        self._t0 = self._autograd_end = None
+        self._launched: dict[int, float] = {}
+        self._done: dict[int, float] = {}
+
+    def backward_started(self) -> None:
+        self._t0, self._launched, self._done = time.perf_counter(), {}, {}
+
+    def bucket_launched(self, bucket: Bucket) -> None:
+        self._launched[bucket.index] = time.perf_counter()
+        fut = bucket.work.future() if bucket.work is not None else None
+        if fut is not None:
+            fut.then(lambda _f, i=bucket.index: self._done.setdefault(i, time.perf_counter()))
+        else:
+            self._done[bucket.index] = time.perf_counter()
+
+    def autograd_finished(self) -> None:
+        self._autograd_end = time.perf_counter()
+
+    def synced(self, buckets: list[Bucket]) -> None:
+        if self._t0 is None:
+            return
+        end, t0 = time.perf_counter(), self._t0
+        for b in buckets:
+            self.entries.append({"bucket": b.index, "numel": b.numel, "launch_s": self._launched[b.index] - t0,
+                                 "done_s": self._done.get(b.index, end) - t0,
+                                 "autograd_end_s": (self._autograd_end or end) - t0, "synced_s": end - t0})
+        self._t0 = None
+
+
+# ----------------------------------------------------------------------------- the engine
+
+class GradSync:
+    """Hooks on `params` that launch each bucket's collective during backward, in bucket order.
+
+    - launch(bucket) -> Work: pack the bucket (read p.grad) and start its collective. Called once per bucket
+      per sync, in index order on every rank (collectives pair up across ranks by the order of the calls).
+    - finish(missing): after every collective of this sync was waited for. `missing` lists the parameters
+      that had no gradient on this rank (their slots were packed as zeros).
+    - before_last(missing): called once the missing parameters are known, before the remaining buckets are
+      launched (DDP sends the count along in its last bucket).
+
+    Hooks fire only while `enabled` (set_requires_gradient_sync); a disabled backward just accumulates p.grad.
+    sync() does by hand what the end of backward does: launch what is left (reading p.grad) and wait.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], buckets: list[Bucket], launch, finish,
+                 before_last=None, observer: Observer | None = None, names: list[str] | None = None):
+        self.params, self.buckets = params, buckets
+        self._launch_fn, self._finish_fn, self._before_last = launch, finish, before_last
+        self.observer = observer
+        self.names = names or [f"parameter {i}" for i in range(len(params))]
+        self.enabled = True
+        self._bucket_of = [None] * len(params)
+        for b in buckets:
+            for i in b.params:
+                self._bucket_of[i] = b
+        self._fired = [False] * len(params)
+        self._n_fired = 0
+        self._next = 0  # the next bucket to launch
+        self._active = False  # a sync is under way (some hook fired, or sync() started)
+        self._callback_queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+                       for i, p in enumerate(params) if self._bucket_of[i] is not None]
+
+    # --- during backward ----------------------------------------------------------------------------
+
+    def _grad_ready(self, i: int, p: torch.nn.Parameter) -> None:
+        if not self.enabled:
+            return  # accumulation: the gradient just adds up in p.grad
+        if not self._active:
+            self._active = True
+            if self.observer is not None:
+                self.observer.backward_started()
+        if not self._callback_queued:
+            self._callback_queued = True
+            _ENGINE.queue_callback(self._end_of_backward)
+        if self._fired[i]:
+            raise RuntimeError(f"{self.names[i]} received a gradient twice in one backward (the same module run "
+                               f"twice in one step, or reentrant activation checkpointing?): this is not supported")
+        self._fired[i] = True
+        self._n_fired += 1
+        if self.observer is not None:
+            self.observer.grad_ready(i, p.grad)
+        bucket = self._bucket_of[i]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # Strictly in index order: every rank must issue the same collectives in the same order.
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.ready != len(b.params):
+                return
+            b.work = self._launch_fn(b)
+            if self.observer is not None:
+                self.observer.bucket_launched(b)
+            self._next += 1
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self.observer is not None:
+            self.observer.autograd_finished()
+        self.sync()
+
+    # --- the rest -----------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether a backward started a sync that has not been finished (interrupted by an exception)."""
+        return self._active
+
+    def sync(self) -> list[int]:
+        """Launch every bucket not yet launched (from what p.grad holds) and wait for all; returns `missing`."""
+        self._active = True
+        missing = [] if self._n_fired == len(self.params) else [i for i, f in enumerate(self._fired) if not f]
+        missing = [i for i in missing if self._bucket_of[i] is not None and self.params[i].grad is None]
+        if self._before_last is not None:
+            self._before_last(missing)
+        for b in self.buckets[self._next:]:
+            b.ready = len(b.params)
+        try:
+            self._launch_ready()
+            for b in self.buckets:
+                if b.work is not None:
+                    b.work.wait()
+            self._finish_fn(missing)
+            if self.observer is not None:
+                self.observer.synced(self.buckets)
+        finally:
+            self.reset()
+        return missing
+
+    def reset(self) -> None:
+        """Forget a half-finished sync (after an interrupted backward)."""
+        for b in self.buckets:
+            b.ready, b.work = 0, None
+        self._fired = [False] * len(self.params)
+        self._n_fired, self._next, self._active = 0, 0, False
+
+    def remove(self) -> None:
+        """Remove the hooks (the owner is being discarded)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

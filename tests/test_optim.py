@@ -14,7 +14,7 @@ import nanodist as nd
 from nanodist.check import assert_params_in_sync
 from nanodist.data import CharTokenizer, TokenStream, generate_corpus
 from nanodist.model import GPT, GPTConfig
-from nanodist.optim import (CombinedOptimizer, DistAdamW, DistMuon, make_muon_optimizer, newton_schulz,
+from nanodist.optim import (DistAdamW, DistMuon, ShardedOptimizer, make_muon_optimizer, newton_schulz,
                             newton_schulz_singular_values, split_params_for_muon)
 from nanodist.optim.muon import _adjust_lr_rule, _newton_schulz
 from nanodist.testing import spawn
@@ -41,6 +41,11 @@ def make_params(shapes, seed=1):
     g = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=g) for s in shapes]
     return [torch.nn.Parameter(t.clone()) for t in init], [torch.nn.Parameter(t.clone()) for t in init]
+
+
+def local(t):
+    """This rank's part of a state tensor: state_dict() hands sharded AdamW state out as DTensors."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def max_diff(a, b):
@@ -118,15 +123,15 @@ def check_muon(rank, W, collectives, stage, steps=20):
             o.step()
     owners = [pc.rank for pc in opt_few.local_pieces()]
     return {"diff": max_diff(ps + few, rs + few_ref), "never_state": len(opt.state.get(ps[4], {})),
-            "few_owned_here": len(owners), "momentum_here": sorted(opt.state_dict()["state"])}
+            "few_owned_here": len(owners), "momentum_here": sorted(i for i, st in opt.state_dict()["state"].items() if st)}
 
 
 def check_combined_clip(rank, W, steps=10):
-    """CombinedOptimizer(DistAdamW, DistMuon) with max_grad_norm == clip_grad_norm_ over all, then torch's."""
+    """One optimizer with an AdamW and a Muon group, max_grad_norm == clip_grad_norm_ over all, then torch's."""
     a_shapes, m_shapes = [(9,), (), (5, 3)], [(6, 4), (4, 6), (6, 4)]
     pa, ra = make_params(a_shapes, seed=7)
     pm, rm = make_params(m_shapes, seed=8)
-    opt = CombinedOptimizer([DistAdamW(pa, lr=1e-2), DistMuon(pm, lr=0.02)])
+    opt = ShardedOptimizer([{"params": pa, "kind": "adamw", "lr": 1e-2}, {"params": pm, "kind": "muon", "lr": 0.02}])
     opt.max_grad_norm = 0.5
     ref_a, ref_m = torch.optim.AdamW(ra, lr=1e-2), torch.optim.Muon(rm, lr=0.02)
     norms, ref_norms = [], []
@@ -170,11 +175,11 @@ def check_state_dict(rank, W):
         fresh.load_state_dict(copy.deepcopy(saved))
         run_steps(fresh, qs, shapes, 3, 3, W, rank)
         pieces = {pc.param: pc.numel for pc in opt.local_pieces()}
-        state = saved["state"]
+        state = {i: st for i, st in saved["state"].items() if st}  # entries of what this rank keeps
         shard_only = set(state) <= set(pieces) and all(
-            t.numel() in (1, pieces[i]) for i, s in state.items() for t in s.values() if torch.is_tensor(t))
+            local(t).numel() in (1, pieces[i]) for i, s in state.items() for t in s.values() if torch.is_tensor(t))
         out[kind] = {"resume_diff": max_diff(ps, qs), "shard_only": shard_only, "saved": saved,
-                     "state_numel": sum(t.numel() for s in state.values() for k, t in s.items() if k != "step")}
+                     "state_numel": sum(local(t).numel() for s in state.values() for k, t in s.items() if k != "step")}
         if kind == "adamw":  # rank 0's shard, loaded on another rank: a clear error
             objs = [saved if rank == 0 else None]
             if W > 1:
@@ -199,7 +204,7 @@ def check_gpt_state_bytes(rank, W):
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    size = lambda sd: sum(t.numel() * t.element_size() for s in sd["state"].values() for t in s.values())  # noqa
+    size = lambda sd: sum(local(t).numel() * t.element_size() for s in sd["state"].values() for t in s.values())  # noqa
     return {"mine": size(opt.state_dict()), "adamw": size(ref.state_dict())}
 
 
@@ -469,10 +474,10 @@ def test_argument_errors():
         DistMuon([p], adjust_lr_fn="nope")
     with pytest.raises(ValueError, match="collectives must be one of"):
         DistMuon([p], collectives="mpi")
-    with pytest.raises(TypeError, match="combines sharded optimizers"):
-        CombinedOptimizer([torch.optim.AdamW([p])])
-    with pytest.raises(ValueError, match="a parameter appears in two optimizers"):
-        CombinedOptimizer([DistAdamW([p]), DistMuon([p])])
+    with pytest.raises(ValueError, match="a param group's kind must be one of adamw, muon, got 'sgd'"):
+        ShardedOptimizer([{"params": [p], "kind": "sgd"}])
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        ShardedOptimizer([{"params": [p], "kind": "adamw"}, {"params": [p], "kind": "muon"}])
     opt = DistAdamW([p])
     with pytest.raises(ValueError, match="must share a device and a dtype"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2)),
@@ -517,5 +522,88 @@ def test_split_params_for_muon_sends_hidden_matrices_to_muon():
         assert ("lm_head.weight" in {n for n, _ in adamw}) == (not tie)
         assert len(muon) + len(adamw) == len(list(model.parameters()))
     opt = make_muon_optimizer(model)
-    assert [type(o).__name__ for o in opt.optimizers] == ["DistAdamW", "DistMuon"]
+    assert isinstance(opt, torch.optim.Optimizer) and [g["kind"] for g in opt.param_groups] == ["adamw", "adamw", "muon"]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- one optimizer for both kinds
+
+def check_container(rank, W):
+    """The Muon + AdamW pair is one torch Optimizer: LambdaLR drives it, DCP's get/set_state_dict accept it,
+    Muon's ownership ignores the bucket size, and the reduce-scatters leave during backward."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from nanodist.sync import BucketTimeline
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    tokens = torch.tensor(tok.encode(text))
+    stream = TokenStream(tokens, batch_size=2, block_size=16, rank=rank, world_size=W, seed=0)
+    batches = [next(stream) for _ in range(6)]
+
+    def build(cap=25.0):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16))
+        return model, make_muon_optimizer(model, lr=3e-3, muon_lr=0.02, bucket_cap_mb=cap)
+
+    def train(model, opt, sched, xs):
+        for x, y in xs:
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+    out = {}
+    model, opt = build()
+    warm = lambda step: min(1.0, (step + 1) / 3)  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warm)
+    out["is_optimizer"] = isinstance(opt, torch.optim.Optimizer)
+    out["lrs"] = [[g["lr"] for g in opt.param_groups]]
+    timeline = BucketTimeline()
+    opt.observe(timeline)
+    train(model, opt, sched, batches[:3])
+    opt.observe(None)
+    out["lrs"].append([g["lr"] for g in opt.param_groups])
+    out["initial_lr"] = [g["initial_lr"] for g in opt.param_groups]
+    out["timeline"] = timeline.entries
+    # DCP's view: keyed by parameter name, sharded AdamW state as DTensors of the flattened parameter.
+    msd, osd = get_state_dict(model, opt)
+    out["dcp_keys"] = sorted(n for n, st in osd["state"].items() if st)  # what this rank keeps
+    out["dcp_names_match"] = sorted(osd["state"]) == sorted(n for n, p in model.named_parameters())
+    wte = osd["state"]["wte.weight"]["exp_avg"]
+    out["wte_exp_avg"] = (type(wte).__name__, tuple(wte.shape))
+    saved = (copy.deepcopy(msd), copy.deepcopy(osd), copy.deepcopy(sched.state_dict()))
+    train(model, opt, sched, batches[3:])
+    model2, opt2 = build()
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, warm)
+    set_state_dict(model2, opt2, model_state_dict=saved[0], optim_state_dict=saved[1])
+    sched2.load_state_dict(saved[2])
+    train(model2, opt2, sched2, batches[3:])
+    out["resumed_equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    out["resumed_lrs_equal"] = [g["lr"] for g in opt.param_groups] == [g["lr"] for g in opt2.param_groups]
+    # Which rank owns which matrix: the same at any bucket size.
+    owners = {}
+    for cap in (25.0, 1e-4):
+        _, o = build(cap)
+        owners[cap] = sorted(pc.param for pc in o.local_pieces() if o.param_groups[pc.group]["kind"] == "muon")
+    out["owners"] = owners
+    out["muon_names"] = [n for n, _ in split_params_for_muon(model)[0]]
+    return out
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_the_muon_adamw_pair_is_one_torch_optimizer(W):
+    outs = spawn(check_container, W, timeout=240)
+    for rank, out in enumerate(outs):
+        assert out["is_optimizer"]
+        base = out["initial_lr"]
+        assert len(base) == 3 and base[-1] == 0.02  # two AdamW groups, then the Muon group
+        assert out["lrs"][0] == pytest.approx([b / 3 for b in base])  # LambdaLR drove every group, both kinds
+        assert out["lrs"][1] == pytest.approx(base)
+        assert out["resumed_equal"] and out["resumed_lrs_equal"]
+        assert out["wte_exp_avg"] == ("DTensor", (65 * 64,))
+        assert out["dcp_names_match"]  # every parameter by name, on every rank
+        assert out["owners"][25.0] == out["owners"][1e-4]  # ownership ignores the bucket size
+        # ZeRO-2 in backward: every bucket's reduce-scatter was launched before autograd had finished.
+        assert out["timeline"] and all(e["launch_s"] <= e["autograd_end_s"] for e in out["timeline"])
+    # Every Muon matrix's state lives on exactly one rank.
+    keys = [set(out["dcp_keys"]) for out in outs]
+    assert len(outs[0]["muon_names"]) == 8 and all(sum(n in k for k in keys) == 1 for n in outs[0]["muon_names"])

@@ -1,17 +1,16 @@
-"""Chapter 4: ZeRO -- optimizers that average gradients themselves and shard their state over the ranks.
+"""Chapter 4: ZeRO -- one optimizer that averages gradients itself and shards its state over the ranks.
 
     from nanodist.optim import DistAdamW, DistMuon, make_muon_optimizer
     opt = DistAdamW(model.configure_param_groups(0.1), lr=3e-3)      # the model needs no DDP wrapper
-    opt = make_muon_optimizer(model)                                  # DistMuon for matrices + DistAdamW
+    opt = make_muon_optimizer(model)                                  # Muon for matrices + AdamW for the rest
 
-    common.py   the sharded step both share: reduce-scatter -> update this rank's shard -> all-gather
-    adamw.py    DistAdamW: every parameter sliced over the ranks
-    muon.py     DistMuon: whole matrices dealt out to the ranks; split_params_for_muon, make_muon_optimizer
+    sharded.py  ShardedOptimizer: param groups of kind "adamw" or "muon", reduce-scatter in backward ->
+                update this rank's pieces -> all-gather; DistAdamW, DistMuon, make_muon_optimizer
+    adamw.py    AdamW's update on a dim-0 chunk
+    muon.py     Muon's update on whole matrices, Newton-Schulz, the deal of matrices to ranks
 """
-from .adamw import DistAdamW
-from .common import CombinedOptimizer, Piece, ShardedOptimizer, sharded_step
-from .muon import (DistMuon, make_muon_optimizer, newton_schulz, newton_schulz_singular_values,
-                   split_params_for_muon)
+from .muon import newton_schulz, newton_schulz_singular_values, split_params_for_muon
+from .sharded import DistAdamW, DistMuon, Piece, ShardedOptimizer, make_muon_optimizer
 
-__all__ = ["DistAdamW", "DistMuon", "CombinedOptimizer", "ShardedOptimizer", "Piece", "sharded_step",
-           "split_params_for_muon", "make_muon_optimizer", "newton_schulz", "newton_schulz_singular_values"]
+__all__ = ["DistAdamW", "DistMuon", "ShardedOptimizer", "Piece", "split_params_for_muon", "make_muon_optimizer",
+           "newton_schulz", "newton_schulz_singular_values"]

@@ -1,15 +1,15 @@
-"""DistMuon: Muon with whole matrices dealt out to the ranks, and the helpers that pair it with DistAdamW.
+"""Muon's update, on the whole matrices this rank owns (the math only; the sharding is in sharded.py).
 
-    opt = make_muon_optimizer(model, lr=3e-3, muon_lr=0.02)    # DistMuon for hidden matrices, DistAdamW for the rest
+    opt = make_muon_optimizer(model, lr=3e-3, muon_lr=0.02)    # Muon for hidden matrices, AdamW for the rest
     loss.backward(); opt.step(); opt.zero_grad()
 
 Muon (Keller Jordan) replaces a matrix's momentum by its "orthogonalised" version -- the same singular
 vectors, singular values pushed towards 1 -- computed by a few Newton-Schulz iterations in bf16. That
-needs the *whole* matrix, so instead of slicing every parameter (DistAdamW), DistMuon deals whole
-matrices out to the ranks, largest first, each to the rank with the least work so far. Rank r's
-matrices lie end to end in row r of the bucket's buffer: the reduce-scatter hands each rank the
-averaged gradients of exactly its matrices, it orthogonalises and updates those, and the all-gather
-brings every updated matrix to every rank. More ranks than matrices is fine: some ranks just idle.
+needs the *whole* matrix, so instead of cutting every parameter (DistAdamW), DistMuon deals whole
+matrices out to the ranks (`deal`), largest first, each to the rank with the least work so far. The
+deal depends only on the matrices' sizes, their order and the number of ranks, so every rank computes
+it alone, and a checkpoint knows where each momentum lives. More ranks than matrices is fine: some
+ranks just idle.
 
 The update is torch.optim.Muon's (same arguments, defaults and math; we call torch's own
 Newton-Schulz and learning-rate rule when this torch has them, torch >= 2.9).
@@ -21,8 +21,6 @@ import math
 import torch
 from torch import nn
 
-from .adamw import DistAdamW
-from .common import CombinedOptimizer, Piece, ShardedOptimizer
 
 # Keller Jordan's constants, as in torch.optim.Muon.
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -92,78 +90,61 @@ def newton_schulz_singular_values(matrix: torch.Tensor, ns_steps: int = DEFAULT_
     return {"before": before, "after": per_step[-1], "per_step": per_step}
 
 
-class DistMuon(ShardedOptimizer):
-    """torch.optim.Muon, with whole matrices distributed over the ranks and gradients averaged inside step().
+DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=DEFAULT_NS_COEFFICIENTS,
+                eps=DEFAULT_EPS, ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None)  # torch.optim.Muon's
 
-    Same arguments and defaults as torch.optim.Muon, plus group and zero_stage / bucket_cap_mb /
-    collectives (see ShardedOptimizer). Only 2-D parameters: give the others to DistAdamW
-    (split_params_for_muon sorts a model's parameters, make_muon_optimizer builds both).
-    """
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-                 eps: float = DEFAULT_EPS, ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: str | None = None,
-                 group=None, *, zero_stage: int = 2, bucket_cap_mb: float = 25.0,
-                 collectives: str = "auto"):
-        # torch.optim.Muon's checks and messages; the Newton-Schulz ones too, up front, so that no rank
-        # fails in the middle of a step while the others wait in a collective.
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 <= momentum:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
-        if adjust_lr_fn is not None and adjust_lr_fn not in ("original", "match_rms_adamw"):
-            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
-        if not 0 <= ns_steps < 100:
-            raise ValueError(f"ns_steps must be in 0..99 (Number of steps must be less than 100 for computational "
-                             f"efficiency), got {ns_steps}")
-        if len(ns_coefficients) != 3:
-            raise ValueError("Coefficients must be a tuple of exactly 3 values")
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        super().__init__(params, defaults, group=group, zero_stage=zero_stage,
-                         bucket_cap_mb=bucket_cap_mb, collectives=collectives)
+def check(group: dict) -> None:
+    """torch.optim.Muon's argument checks and messages; the Newton-Schulz ones too, up front, so that no rank
+    fails in the middle of a step while the others wait in a collective."""
+    if not 0.0 <= group["lr"]:
+        raise ValueError(f"Learning rate should be >= 0 but is: {group['lr']}")
+    if not 0.0 <= group["momentum"]:
+        raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+    if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ("original", "match_rms_adamw"):
+        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    if not 0 <= group["ns_steps"] < 100:
+        raise ValueError(f"ns_steps must be in 0..99 (Number of steps must be less than 100 for computational "
+                         f"efficiency), got {group['ns_steps']}")
+    if len(group["ns_coefficients"]) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    group["ns_coefficients"] = tuple(group["ns_coefficients"])
 
-    def _check_param(self, p, where):
-        if p.ndim != 2:
-            raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
-                             f"({where}). Optimise it with DistAdamW (split_params_for_muon sorts a model's "
-                             f"parameters into the two).")
 
-    def _layout(self, items):
-        """Whole matrices to ranks: largest first, each to the least-loaded rank (ties: the lowest rank).
+def check_param(p: torch.Tensor, where: str) -> None:
+    if p.ndim != 2:
+        raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
+                         f"({where}). Optimise it with DistAdamW (split_params_for_muon sorts a model's "
+                         f"parameters into the two).")
 
-        Every rank computes the same deal from the shapes alone, so no one has to be told.
-        """
-        W = self.world_size
-        load, owned = [0] * W, [[] for _ in range(W)]
-        for index, group, numel in sorted(items, key=lambda t: (-t[2], t[0])):
-            r = min(range(W), key=lambda k: (load[k], k))
-            owned[r].append((index, group, numel))
-            load[r] += numel
-        pieces = []
-        for r in range(W):
-            offset = 0
-            for index, group, numel in sorted(owned[r]):
-                pieces.append(Piece(index, group, r, 0, numel, offset))
-                offset += numel
-        return pieces, max(load)  # shorter rows are padded with zeros
 
-    def _update(self, group, items):
-        """torch.optim.Muon's update, on the matrices this rank owns."""
-        lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        for p, grad, param in items:  # flat views of whole matrices
-            grad, param = grad.view(p.shape), param.view(p.shape)
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - momentum)  # B = mu B + (1 - mu) g
-            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            param.mul_(1 - lr * weight_decay)
-            param.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+def deal(numels: list[int], world_size: int) -> list[int]:
+    """The owner of each matrix: largest first, each to the least-loaded rank (ties: the lower matrix index, the
+    lower rank). Depends only on the sizes, their order and world_size."""
+    load, owner = [0] * world_size, [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        owner[i] = r
+        load[r] += numels[i]
+    return owner
+
+
+def init_state(matrix: torch.Tensor) -> dict:
+    return {"momentum_buffer": torch.zeros_like(matrix)}
+
+
+def update(group: dict, items: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
+    """torch.optim.Muon's update. items: (state, averaged gradient, parameter), whole matrices."""
+    lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+    for state, grad, param in items:
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - momentum)  # B = mu B + (1 - mu) g
+        step = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        step = newton_schulz(step, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        param.mul_(1 - lr * weight_decay)
+        param.add_(step, alpha=-adjust_lr(lr, group["adjust_lr_fn"], param.shape))
 
 
 # ----------------------------------------------------------------------------- pairing Muon with AdamW
@@ -192,22 +173,3 @@ def split_params_for_muon(model: nn.Module, exclude: tuple[str, ...] = ("lm_head
         is_hidden_matrix = id(p) in linear and id(p) not in embedding and id(p) not in excluded
         (muon if is_hidden_matrix else adamw).append((name, p))
     return muon, adamw
-
-
-def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 0.02, weight_decay: float = 0.1,
-                        muon_weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
-                        momentum: float = 0.95, exclude: tuple[str, ...] = ("lm_head",), group=None,
-                        **kwargs) -> CombinedOptimizer:
-    """DistMuon for the hidden matrices, DistAdamW for the rest (weight decay on embeddings, none on 1-D),
-    stepped together. kwargs (zero_stage, bucket_cap_mb, collectives) go to both."""
-    muon, adamw = split_params_for_muon(model, exclude)
-    decay = [(n, p) for n, p in adamw if p.ndim >= 2]
-    no_decay = [(n, p) for n, p in adamw if p.ndim < 2]
-    groups = [{"params": [p for _, p in ps], "param_names": [n for n, _ in ps], "weight_decay": wd}
-              for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
-    optimizers = [DistAdamW(groups, lr=lr, betas=betas, group=group, **kwargs)]
-    if muon:
-        optimizers.append(DistMuon([{"params": [p for _, p in muon], "param_names": [n for n, _ in muon]}],
-                                   lr=muon_lr, weight_decay=muon_weight_decay, momentum=momentum,
-                                   group=group, **kwargs))
-    return CombinedOptimizer(optimizers)

@@ -1,0 +1,634 @@
+"""ZeRO in one torch.optim.Optimizer: it averages the gradients itself and keeps state only for its shard.
+
+    opt = DistAdamW(model.configure_param_groups(0.1), lr=3e-3)   # the model needs no DDP wrapper
+    opt = make_muon_optimizer(model)       # one optimizer: Muon groups for matrices, AdamW groups for the rest
+    loss.backward()                        # the gradients are reduce-scattered while backward runs
+    opt.step()                             # update this rank's shard, all-gather the parameters
+    opt.zero_grad()
+
+One optimizer object drives param groups of two *kinds* (nanochat's design), each group saying which:
+
+    kind="adamw"  every parameter's elements cut into world_size equal slices (torch.chunk's rule on the
+                  flattened parameter); rank r updates slice r and keeps AdamW's state for it (optim/adamw.py)
+    kind="muon"   whole matrices dealt out to the ranks; each is updated, and has momentum, on its
+                  owner only (optim/muon.py)
+
+How a step travels. Parameters are grouped into buckets (about bucket_cap_mb, in reverse order: the
+order in which backward produces their gradients). A bucket's buffer has one row per rank; row r holds
+the pieces rank r owns (an AdamW slice of every parameter, at the same offset in every row; then rank
+r's Muon matrices end to end). The gradient-sync engine (nanodist.sync) launches a bucket's collective
+from the autograd hooks as soon as its last gradient has arrived:
+
+    zero_stage=2 (default)  reduce-scatter: rank r receives row r summed over ranks, divides it by N, and
+                            keeps only that (the full gradient is freed as backward goes: p.grad is None)
+    zero_stage=1            all-reduce: every rank gets the whole averaged gradient, written back to p.grad
+
+step() then agrees with the other ranks in one small all-reduce on which parameters had a gradient
+anywhere (and, when clipping, on the global norm), updates its pieces, and all-gathers the rows so that
+every rank holds every updated parameter. A step with no backward since the last one (gradients set by
+hand) packs p.grad at step() instead. Gradient accumulation: set_requires_gradient_sync(False) makes the
+hooks wait until the last micro-step (the Trainer does this); without it every backward is reduced and
+its shard added to the previous one, which is also correct.
+
+The state (`state_dict()`) is torch's layout (integer keys, groups with `param_names` and `kind`), so
+torch's LR schedulers and torch.distributed.checkpoint's get_state_dict accept it. With several ranks an
+AdamW state tensor is a DTensor Shard(0) of the flattened parameter, shape (numel,) -- this rank's slice,
+no copy -- whose global shape does not depend on the world size, so a sharded checkpoint can be loaded
+at another one; a Muon momentum exists only on the matrix's owner.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..group import Group
+from ..sync import DONE, Bucket, GradSync, Slot, Work, all_gather, all_reduce_sum, pack_buckets, reduce_scatter_sum
+from . import adamw as _adamw
+from . import muon as _muon
+
+KINDS = {"adamw": _adamw, "muon": _muon}
+COLLECTIVES = ("auto", "ring", "torch")
+RESHARD_HINT = "resharding arrives with the checkpointing chapter"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of one parameter's elements that one rank updates (possibly empty)."""
+
+    param: int  # index of the parameter in the optimizer (the numbering of state_dict()["state"])
+    group: int  # index of its param group
+    rank: int  # the rank that updates it
+    start: int  # first element, counted in param.view(-1)
+    numel: int
+    offset: int  # where it sits in row `rank` of its bucket's buffer
+
+
+def slice_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Elements [start, stop) of slice `rank` when `numel` elements are cut into world_size slices as torch.chunk
+    does (ceil(numel / N) each; the last slices shorter, or empty) -- also DTensor Shard(0)'s rule."""
+    size = math.ceil(numel / world_size)
+    start = min(rank * size, numel)
+    return start, min(start + size, numel)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 or 2 over param groups of kind "adamw" and "muon" (see the module docstring).
+
+    - params: parameters or param groups; a group's "kind" defaults to `kind`. A group may carry
+      "param_names" (GPT.configure_param_groups does): state dicts and error messages use them.
+    - adamw, muon: the defaults of each kind's hyperparameters (torch.optim.AdamW's and torch.optim.Muon's
+      arguments); a group overrides any of them.
+    - group: the ranks that share the work (default: the world; no process group at all is a world of one).
+      Read when the optimizer is built: create it after nanodist.init().
+    - zero_stage: 2 (default) or 1 (see above). Stage 3, sharded parameters, is the FSDP chapter.
+    - bucket_cap_mb: gradients travel in buckets of about this size.
+    - collectives: "auto" (nanodist's ring reduce-scatter/all-gather on gloo, which moves half the bytes of
+      gloo's own reduce-scatter; torch's async ones on nccl), "ring" or "torch".
+
+    Implements the Trainer's protocol (nanodist.parallel): set_requires_gradient_sync and clip_grad_norm_.
+    `max_grad_norm`, when set, makes step() clip by the global norm of the averaged gradient itself.
+    """
+
+    def __init__(self, params, *, kind: str = "adamw", adamw: dict | None = None, muon: dict | None = None,
+                 group=None, zero_stage: int = 2, bucket_cap_mb: float = 25.0, collectives: str = "auto"):
+        name = type(self).__name__
+        if kind not in KINDS:
+            raise ValueError(f"{name}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if zero_stage not in (1, 2):
+            raise ValueError(f"{name}: zero_stage must be 1 or 2, got {zero_stage!r} (stage 0 is DDP with a plain "
+                             f"optimizer; stage 3 shards the parameters too: the FSDP chapter)")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"{name}: bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"{name}: collectives must be one of {', '.join(COLLECTIVES)}, got {collectives!r}")
+        self.kind = kind
+        self.kind_defaults = {"adamw": {**_adamw.DEFAULTS, **(adamw or {})}, "muon": {**_muon.DEFAULTS, **(muon or {})}}
+        for k, d in self.kind_defaults.items():
+            KINDS[k].check(dict(d))  # bad defaults fail here, before any group uses them
+        g = Group.resolve(group)
+        self.group, self.world_size, self.rank, self.backend = g, g.size, g.rank, g.backend
+        self.zero_stage = zero_stage
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        # gloo's reduce_scatter_tensor is an all-reduce in disguise (each rank moves the whole buffer both
+        # ways) and our ring (chapter 2) moves half as much, so on gloo the ring wins even though it is
+        # synchronous. On nccl torch's collectives are native rings and asynchronous: we use them there.
+        self.use_ring = collectives == "ring" or (collectives == "auto" and self.backend == "gloo")
+        self.max_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None
+        self.recorded: list[dict] | None = None
+        self._record = False
+        self._engine: GradSync | None = None
+        self._plan_key = None
+        super().__init__(params, {})
+        self._plan()  # the hooks are in place before the first backward
+
+    # ----------------------------------------------------------------------------- groups
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group after filling in the group's kind and its kind's defaults; then our checks:
+        one device and dtype per group, real, contiguous (Muon: matrices only)."""
+        param_group = dict(param_group)
+        kind = param_group.setdefault("kind", self.kind)
+        if kind not in KINDS:
+            raise ValueError(f"{type(self).__name__}: a param group's kind must be one of {', '.join(KINDS)}, "
+                             f"got {kind!r}")
+        for key, value in self.kind_defaults[kind].items():
+            param_group.setdefault(key, value)
+        KINDS[kind].check(param_group)
+        super().add_param_group(param_group)
+        try:
+            self._check_group(len(self.param_groups) - 1)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        self._plan_key = None  # the layout changes with the parameters
+
+    def _check_group(self, g: int) -> None:
+        name, group = type(self).__name__, self.param_groups[g]
+        params = group["params"]
+        for i, p in enumerate(params):
+            where = f"parameter {i} of param group {g} ({self._param_name(g, i)}, shape {tuple(p.shape)})"
+            if p.is_complex():
+                raise ValueError(f"{name} does not support complex parameters: {where} is {p.dtype}")
+            if not p.is_contiguous():
+                raise ValueError(f"{name} needs contiguous parameters (it updates them through flat views): {where} "
+                                 f"is not. Make it contiguous before building the optimizer: "
+                                 f"p.data = p.data.contiguous()")
+            if (p.device, p.dtype) != (params[0].device, params[0].dtype):
+                raise ValueError(
+                    f"{name}: the parameters of one param group must share a device and a dtype, but {where} is "
+                    f"{p.dtype} on {p.device} while parameter 0 is {params[0].dtype} on {params[0].device}. Move or "
+                    f"convert the model first (model.to(device, dtype)), or put them in separate param groups.")
+            if group["kind"] == "muon":
+                _muon.check_param(p, where)
+
+    def _param_name(self, g: int, i: int) -> str:
+        names = self.param_groups[g].get("param_names")
+        return names[i] if names and i < len(names) else f"param_groups[{g}].params[{i}]"
+
+    # ----------------------------------------------------------------------------- the layout
+
+    def _plan(self) -> GradSync:
+        """Pieces, buckets and the engine's hooks; built once, again only when the parameters change."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        key = tuple((id(p), tuple(p.shape), p.dtype, p.device) for p in params)
+        if key == self._plan_key:
+            return self._engine
+        if self._engine is not None:
+            self._engine.remove()
+        W = self.world_size
+        self._params = params
+        self._group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        self._names = [self._param_name(g, j) for g, group in enumerate(self.param_groups)
+                       for j in range(len(group["params"]))]
+        kinds = [self.param_groups[g]["kind"] for g in self._group_of]
+        muon = [i for i, k in enumerate(kinds) if k == "muon" and params[i].numel() > 0]
+        owner = dict(zip(muon, _muon.deal([params[i].numel() for i in muon], W)))
+        self._owner = owner
+        # Backward produces the last layers' gradients first: buckets in reverse parameter order.
+        order = [i for i in reversed(range(len(params))) if params[i].numel() > 0]
+        buckets, pieces = [], []
+        for run in pack_buckets([params[i] for i in order], self.bucket_cap_bytes):
+            idx = [order[j] for j in run]
+            row, mine = 0, []
+            for i in idx:  # AdamW slices: parameter i's slice r sits at the same offset in every row r
+                if kinds[i] != "adamw":
+                    continue
+                n = params[i].numel()
+                for r in range(W):
+                    a, b = slice_bounds(n, W, r)
+                    if b > a:  # a 3-element parameter on 4 ranks: rank 3 gets nothing (and keeps no state)
+                        mine.append(Piece(i, self._group_of[i], r, a, b - a, row))
+                row += math.ceil(n / W)
+            ends = [row] * W
+            for i in idx:  # Muon matrices: each one whole, in its owner's row
+                if kinds[i] == "muon":
+                    r = owner[i]
+                    mine.append(Piece(i, self._group_of[i], r, 0, params[i].numel(), ends[r]))
+                    ends[r] += params[i].numel()
+            row = max(ends)
+            slots = [Slot(pc.param, pc.start, pc.numel, pc.rank * row + pc.offset) for pc in mine if pc.numel]
+            p0 = params[idx[0]]
+            b = Bucket(len(buckets), idx, slots, W * row, p0.dtype, p0.device)
+            b.extra.update(row=row, pieces=mine, local=[pc for pc in mine if pc.rank == self.rank])
+            buckets.append(b)
+            pieces += mine
+        self._buckets = buckets
+        self._local_by_param = {}
+        for pc in pieces:
+            if pc.rank == self.rank:
+                self._local_by_param.setdefault(pc.param, []).append(pc)
+        self._had_grad = [False] * len(params)
+        self._reduced = False  # gradients reduced since the last step (by the hooks, or by hand)
+        self._agreement = None  # (has_grad flags, clip coefficient) once clip_grad_norm_ has agreed
+        self._engine = GradSync(params, buckets, self._launch, self._finish, names=self._names,
+                                observer=getattr(self, "_observer", None))
+        self._plan_key = key
+        return self._engine
+
+    def local_pieces(self) -> list[Piece]:
+        """The pieces this rank updates (and keeps optimizer state for)."""
+        self._plan()
+        return [pc for b in self._buckets for pc in b.extra["local"]]
+
+    def _comm_device(self, bucket: Bucket) -> torch.device:
+        if self.world_size == 1:
+            return bucket.device
+        if self.backend == "nccl" and bucket.device.type != "cuda":
+            raise ValueError(f"{type(self).__name__}: the nccl backend moves CUDA tensors only, but some parameters "
+                             f"are on {bucket.device}: move the model to the GPU (model.to('cuda')) or use gloo")
+        return self.group.comm_device
+
+    # ----------------------------------------------------------------------------- the engine's side
+
+    def _launch(self, b: Bucket) -> Work:
+        """Pack this bucket's gradients into its (world_size, row) buffer and start its reduction."""
+        W, row = self.world_size, b.extra["row"]
+        grads = [p.grad for p in self._params]
+        for i in b.params:
+            if grads[i] is not None:
+                if grads[i].is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, and "
+                                       f"{self._names[i]} has one (nn.Embedding(sparse=True)): use sparse=False")
+                self._had_grad[i] = True
+        if self._record:
+            for i in b.params:
+                self.recorded[i]["grad"] = None if grads[i] is None else grads[i].detach().clone()
+        send = torch.zeros(W, row, dtype=b.dtype, device=self._comm_device(b))
+        b.pack(send.view(-1), grads)
+        b.extra["send"] = send
+        if self.zero_stage == 1:
+            return all_reduce_sum(send, self.group)
+        for i in b.params:  # ZeRO-2: the full gradient is not kept; only this rank's reduced row will be
+            self._params[i].grad = None
+        shard = b.extra.get("shard")
+        if shard is None or shard.device != send.device or shard.numel() != row:
+            shard = b.extra["shard"] = torch.zeros(row, dtype=b.dtype, device=send.device)
+        # A shard not yet consumed by step() (another backward without a step in between) is added to.
+        out = torch.empty_like(shard) if b.extra.get("pending") else shard
+        b.extra["out"] = out
+        return reduce_scatter_sum(out, send, self.group, self.use_ring)
+
+    def _finish(self, missing: list[int]) -> None:
+        """Every bucket's reduction is in: turn sums into averages (stage 2: into the shard kept; stage 1: into
+        p.grad, the whole averaged gradient)."""
+        W = self.world_size
+        for b in self._buckets:
+            if self.zero_stage == 2:
+                out = b.extra.pop("out")
+                if W > 1:
+                    out.div_(W)
+                if out is not b.extra["shard"]:
+                    b.extra["shard"].add_(out)
+                b.extra.pop("send", None)  # only this rank's row is kept
+            elif W > 1:  # stage 1: the whole buffer; step() writes it back to p.grad once the ranks agree
+                b.extra["send"].div_(W)
+            b.extra["pending"] = True
+        self._reduced = True
+
+    # ----------------------------------------------------------------------------- the protocol
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward only accumulates p.grad (micro-steps of gradient accumulation); True: the next
+        backward reduces (the Trainer turns it on for the last micro-step)."""
+        self._plan().enabled = bool(requires_gradient_sync)
+
+    def _reduce_now(self) -> None:
+        engine = self._plan()
+        if engine.pending:  # a backward was interrupted (an exception) before it finished: start over
+            engine.reset()
+        if not self._reduced:
+            engine.sync()
+
+    def _small_device(self) -> torch.device:
+        return self.group.comm_device
+
+    def _agree(self, clip_norm: float | None) -> tuple[list[bool], float | None, float | None]:
+        """One all-reduce: which parameters had a gradient on any rank, and (when clipping) the global norm."""
+        flags = [1.0 if h else 0.0 for h in self._had_grad]
+        agree = torch.tensor(flags + [0.0], dtype=torch.float64, device=self._small_device())
+        if clip_norm is not None:
+            sq = torch.zeros((), dtype=torch.float64, device=agree.device)
+            for b in self._buckets:
+                mine = b.extra["shard"] if self.zero_stage == 2 else b.extra["send"][self.rank]
+                sq += torch.linalg.vector_norm(mine, dtype=torch.float64).to(agree.device) ** 2
+            agree[-1] = sq
+        if self.world_size > 1:
+            dist.all_reduce(agree, group=self.group.pg)
+        values = agree.tolist()
+        norm = coef = None
+        if clip_norm is not None:
+            norm = math.sqrt(values[-1])
+            coef = min(1.0, clip_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+            coef = None if coef == 1.0 else coef
+        return [v > 0 for v in values[:-1]], norm, coef
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the averaged gradient by its global norm (over every rank's shard) and return that norm.
+        Collective. The clipping is applied in the next step()."""
+        self._reduce_now()
+        has_grad, norm, coef = self._agree(float(max_norm))
+        self._agreement = (has_grad, coef)
+        self.last_grad_norm = norm
+        return torch.tensor(norm)
+
+    # ----------------------------------------------------------------------------- the step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce (if backward did not), agree, update this rank's pieces, all-gather. Collective."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._reduce_now()
+        if self._agreement is None:
+            clip = self.max_grad_norm if self.max_grad_norm is not None and self.max_grad_norm > 0 else None
+            has_grad, norm, coef = self._agree(clip)
+            if clip is not None:
+                self.last_grad_norm = norm
+        else:
+            has_grad, coef = self._agreement
+        gathers = []
+        for b in self._buckets:
+            gathers.append(self._update_bucket(b, has_grad, coef))
+        for b, work in zip(self._buckets, gathers):
+            if work is not None:
+                work.wait()
+                self._copy_gathered(b, has_grad)
+        if self._record:
+            self._finish_record()
+        self._consumed()
+        return loss
+
+    def _update_bucket(self, b: Bucket, has_grad: list[bool], coef: float | None) -> Work | None:
+        if self.zero_stage == 1:
+            if coef is not None:
+                b.extra["send"].mul_(coef)
+            self._write_back_grads(b, has_grad)
+        mine = b.extra["shard"] if self.zero_stage == 2 else b.extra["send"][self.rank]
+        if coef is not None and self.zero_stage == 2:
+            mine.mul_(coef)
+        shard = mine if mine.device == b.device else mine.to(b.device)
+        by_group: dict[int, list] = {}
+        for pc in b.extra["local"]:
+            if not has_grad[pc.param]:
+                continue
+            p = self._params[pc.param]
+            kind = self.param_groups[pc.group]["kind"]
+            grad, param = shard[pc.offset:pc.offset + pc.numel], p.view(-1)[pc.start:pc.start + pc.numel]
+            state = self.state[p]
+            if not state:  # lazily, like torch: state exists only for parameters that were stepped
+                state.update(self._init_state(p, kind))
+            if kind == "muon":
+                grad, param = grad.view(p.shape), param.view(p.shape)
+            by_group.setdefault(pc.group, []).append((state, grad, param))
+            if self._record:
+                self.recorded[pc.param].update(piece=(pc.start, pc.numel), grad_shard=grad.reshape(-1).clone())
+        for g, items in by_group.items():
+            KINDS[self.param_groups[g]["kind"]].update(self.param_groups[g], items)
+        if self.world_size == 1:
+            return None
+        # The updated pieces travel back in the row their gradients came in.
+        out = shard if self.zero_stage == 2 else torch.empty_like(shard)
+        for pc in b.extra["local"]:
+            if pc.numel:
+                out[pc.offset:pc.offset + pc.numel].copy_(self._params[pc.param].view(-1)[pc.start:pc.start + pc.numel])
+        if out.device != mine.device:
+            out = out.to(mine.device)
+        gathered = torch.empty(self.world_size, b.extra["row"], dtype=b.dtype, device=mine.device)
+        b.extra["gathered"] = gathered
+        return all_gather(gathered, out, self.group, self.use_ring)
+
+    def _write_back_grads(self, b: Bucket, has_grad: list[bool]) -> None:
+        """Stage 1: every p.grad becomes the whole averaged gradient (None where no rank had one)."""
+        flat = b.extra["send"].view(-1)
+        for s in b.slots:
+            p = self._params[s.param]
+            if not has_grad[s.param]:
+                continue
+            if p.grad is None or not p.grad.is_contiguous():
+                p.grad = torch.zeros_like(p)
+            p.grad.view(-1)[s.start:s.start + s.numel].copy_(flat[s.offset:s.offset + s.numel])
+
+    def _copy_gathered(self, b: Bucket, has_grad: list[bool]) -> None:
+        flat, row = b.extra.pop("gathered").view(-1), b.extra["row"]
+        for pc in b.extra["pieces"]:
+            if pc.rank != self.rank and pc.numel and has_grad[pc.param]:
+                at = pc.rank * row + pc.offset
+                self._params[pc.param].view(-1)[pc.start:pc.start + pc.numel].copy_(flat[at:at + pc.numel])
+
+    def _init_state(self, p: torch.Tensor, kind: str) -> dict:
+        if kind == "muon":
+            return _muon.init_state(p)
+        a, b = slice_bounds(p.numel(), self.world_size, self.rank)
+        return _adamw.init_state((b - a,), p)
+
+    def _consumed(self) -> None:
+        """The reduced gradients were used: the next backward starts afresh."""
+        self._reduced = False
+        self._agreement = None
+        self._had_grad = [False] * len(self._params)
+        for b in self._buckets:
+            b.extra["pending"] = False
+            b.extra.pop("send", None)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad, and the reduced gradients not yet stepped are dropped too."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self._engine is not None:
+            if self._reduced:
+                for b in self._buckets:
+                    if "shard" in b.extra:
+                        b.extra["shard"].zero_()
+            self._consumed()
+
+    # ----------------------------------------------------------------------------- recording, memory
+
+    def record_next_step(self) -> None:
+        """Keep, for the next step only, what the pipeline did to every parameter on this rank.
+
+        Afterwards `recorded` is a list (one dict per parameter): name, shape, `grad` (this rank's local
+        gradient before the reduction), `piece` ((start, numel) of the slice this rank updates, or None),
+        `grad_shard` (that slice of the averaged gradient), `updated_shard` (the slice after the update) and
+        `param` (the whole parameter after the all-gather). For drawing the pipeline. Call it before the
+        backward whose gradients are to be recorded (or before step() when gradients are set by hand).
+        """
+        self._plan()
+        self._record = True
+        self.recorded = [{"index": i, "name": self._names[i], "shape": tuple(p.shape), "rank": self.rank,
+                          "world_size": self.world_size, "grad": None if p.grad is None else p.grad.detach().clone(),
+                          "piece": None, "grad_shard": None, "updated_shard": None, "param": None}
+                         for i, p in enumerate(self._params)]
+
+    def _finish_record(self) -> None:
+        for e in self.recorded:
+            p = self._params[e["index"]]
+            if e["piece"] is not None:
+                a, n = e["piece"]
+                e["updated_shard"] = p.detach().view(-1)[a:a + n].clone()
+            e["param"] = p.detach().clone()
+        self._record = False
+
+    def observe(self, observer) -> None:
+        """Attach a nanodist.sync.Observer (e.g. BucketTimeline) to the gradient hooks; None detaches it."""
+        self._plan().observer = observer
+        self._observer = observer
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The gradient memory this optimizer keeps between steps: at stage 2, this rank's averaged shards."""
+        if self._engine is None or self.zero_stage != 2:
+            return []
+        return [b.extra["shard"] for b in self._buckets if "shard" in b.extra]
+
+    # ----------------------------------------------------------------------------- state
+
+    def _slice_dtensor(self, t: torch.Tensor, p: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Shard
+        return DTensor.from_local(t, self.group.device_mesh, [Shard(0)], run_check=False, shape=(p.numel(),),
+                                  stride=(1,))
+
+    def state_dict(self) -> dict:
+        """torch's layout, plus `zero`: who saved it. With several ranks each AdamW state tensor is a DTensor
+        Shard(0) of the flattened parameter, shape (numel,) (this rank's slice, the same storage); Muon momenta
+        are whole matrices, on their owner only; step counters are plain tensors, equal on every rank."""
+        self._plan()
+        sd = super().state_dict()
+        for i in range(len(self._params)):
+            # Every parameter has an entry, empty where this rank keeps nothing (another rank's Muon matrix): a
+            # loader such as torch.distributed.checkpoint's set_state_dict then finds every name on every rank.
+            sd["state"].setdefault(i, {})
+        if self.world_size > 1:
+            for i, st in sd["state"].items():
+                p = self._params[i]
+                if self.param_groups[self._group_of[i]]["kind"] == "adamw":
+                    # torch hands out the live per-parameter dicts: wrap in a copy, never in the optimizer's own
+                    sd["state"][i] = {k: self._slice_dtensor(v, p) if k in ("exp_avg", "exp_avg_sq") else v
+                                      for k, v in st.items()}
+        sd["zero"] = {"optimizer": type(self).__name__, "world_size": self.world_size, "rank": self.rank,
+                      "zero_stage": self.zero_stage,
+                      "layout": "adamw: slice r of the flattened parameter (torch.chunk) on rank r; "
+                                "muon: whole matrices on their owner"}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what state_dict() saved: on the same rank of a run with the same world size, or as DTensors or
+        whole tensors (what torch.distributed.checkpoint hands back), which are cut to this rank's pieces."""
+        name = type(self).__name__
+        meta = state_dict.get("zero")
+        groups = state_dict.get("param_groups", [])
+        if meta is None and not all("kind" in g for g in groups):
+            raise ValueError(f"{name}.load_state_dict: this state dict has no 'zero' entry, so a sharded optimizer did "
+                             f"not save it (a torch.optim state dict holds full, unsharded state). Load what "
+                             f"{name}.state_dict() saved on this rank; converting full state to shards: "
+                             f"{RESHARD_HINT}.")
+        if meta is not None:
+            if meta["optimizer"] != name:
+                raise ValueError(f"{name}.load_state_dict: this state was saved by {meta['optimizer']}, not {name}")
+            if meta["world_size"] > 1 and meta["world_size"] != self.world_size:  # a world of one saved it whole
+                raise ValueError(
+                    f"{name}.load_state_dict: this state is rank {meta['rank']}'s shard of a run with "
+                    f"{meta['world_size']} ranks, but this run has {self.world_size}. A sharded state only fits the "
+                    f"world size it was saved at -- {RESHARD_HINT}. Resume with {meta['world_size']} ranks.")
+            if meta["world_size"] > 1 and meta["rank"] != self.rank:
+                raise ValueError(f"{name}.load_state_dict: this state is rank {meta['rank']}'s shard, but this is "
+                                 f"rank {self.rank}: every rank must load the state it saved itself (name files by "
+                                 f"rank)")
+        self._plan()
+        if len(groups) != len(self.param_groups) or any(len(g["params"]) != len(h["params"])
+                                                         for g, h in zip(groups, self.param_groups)):
+            raise ValueError(f"{name}.load_state_dict: the saved state has param groups of sizes "
+                             f"{[len(g['params']) for g in groups]}, this optimizer {[len(h['params']) for h in self.param_groups]}: "
+                             f"build the optimizer as in the saved run")
+        saved_ids = [i for g in groups for i in g["params"]]  # ints, or names (from get_state_dict)
+        new_state = {}
+        for j, key in enumerate(saved_ids):
+            if not state_dict["state"].get(key):
+                continue
+            p, g = self._params[j], self._group_of[j]
+            kind = self.param_groups[g]["kind"]
+            if self.world_size > 1 and not any(pc.param == j for pc in self._local_by_param.get(j, ())):
+                continue  # another rank's matrix (or 0-D parameter)
+            new_state[p] = {k: self._local(v, p, kind, k) for k, v in state_dict["state"][key].items()}
+        self.state.clear()
+        self.state.update(new_state)
+        for mine, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                if k not in ("params", "param_names"):
+                    mine[k] = v
+
+    def _local(self, t, p: torch.Tensor, kind: str, key: str):
+        """This rank's part of a saved state tensor: a DTensor's local slice, or a whole tensor cut to the slice."""
+        if not torch.is_tensor(t):
+            return t
+        if _is_dtensor(t):
+            mesh_size = t.device_mesh.size()
+            if mesh_size != self.world_size:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: {key} of a parameter is sharded over "
+                                 f"{mesh_size} ranks but this run has {self.world_size}: load it through "
+                                 f"torch.distributed.checkpoint, which reshards")
+            t = t.to_local()
+        elif key != "step" and kind == "adamw" and t.numel() == p.numel() and self.world_size > 1:
+            a, b = slice_bounds(p.numel(), self.world_size, self.rank)  # a whole tensor (a world of one saved it)
+            t = t.reshape(-1)[a:b]
+        return t.detach().clone().to(p.device if key != "step" else t.device)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+class DistAdamW(ShardedOptimizer):
+    """AdamW with optimizer state (and, at zero_stage=2, the averaged gradient) sharded over the ranks.
+
+    Arguments as torch.optim.AdamW (lr, betas, eps, weight_decay; param groups may override them), plus
+    group, and zero_stage / bucket_cap_mb / collectives (see ShardedOptimizer).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, group=None, *, zero_stage: int = 2, bucket_cap_mb: float = 25.0,
+                 collectives: str = "auto"):
+        super().__init__(params, kind="adamw", adamw=dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+                         group=group, zero_stage=zero_stage, bucket_cap_mb=bucket_cap_mb, collectives=collectives)
+
+
+class DistMuon(ShardedOptimizer):
+    """torch.optim.Muon, with whole matrices distributed over the ranks and gradients averaged in backward.
+
+    Same arguments and defaults as torch.optim.Muon, plus group and zero_stage / bucket_cap_mb / collectives
+    (see ShardedOptimizer). Only 2-D parameters: give the others to an "adamw" group (make_muon_optimizer).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = _muon.DEFAULT_NS_COEFFICIENTS,
+                 eps: float = _muon.DEFAULT_EPS, ns_steps: int = _muon.DEFAULT_NS_STEPS,
+                 adjust_lr_fn: str | None = None, group=None, *, zero_stage: int = 2, bucket_cap_mb: float = 25.0,
+                 collectives: str = "auto"):
+        super().__init__(params, kind="muon",
+                         muon=dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                   ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                                   adjust_lr_fn=adjust_lr_fn),
+                         group=group, zero_stage=zero_stage, bucket_cap_mb=bucket_cap_mb, collectives=collectives)
+
+
+def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 0.02, weight_decay: float = 0.1,
+                        muon_weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+                        momentum: float = 0.95, exclude: tuple[str, ...] = ("lm_head",), group=None,
+                        **kwargs) -> ShardedOptimizer:
+    """One ShardedOptimizer: a "muon" group for the hidden matrices, "adamw" groups for the rest (weight decay
+    on embeddings, none on 1-D parameters). kwargs (zero_stage, bucket_cap_mb, collectives) go to it."""
+    muon, adamw = _muon.split_params_for_muon(model, exclude)
+    decay = [(n, p) for n, p in adamw if p.ndim >= 2]
+    no_decay = [(n, p) for n, p in adamw if p.ndim < 2]
+    groups = [{"params": [p for _, p in ps], "param_names": [n for n, _ in ps], "weight_decay": wd, "kind": "adamw"}
+              for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+    if muon:
+        groups.append({"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "kind": "muon"})
+    return ShardedOptimizer(groups, kind="adamw", adamw=dict(lr=lr, betas=betas),
+                            muon=dict(lr=muon_lr, weight_decay=muon_weight_decay, momentum=momentum),
+                            group=group, **kwargs)
