@@ -5,7 +5,7 @@
     torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 labs/lab01_ranks.py
 
 Each rank prints one line; rank 0 gathers every rank's report and writes them, with the timings of
-a broadcast and an all-reduce, to labs/results/lab01_ranks/<run-id>.json.
+a broadcast and an all-reduce, to labs/results/lab01_ranks/<run-id>.jsonl.
 """
 import argparse
 import os

@@ -128,7 +128,7 @@ def summarize(impl: str, trainer) -> dict:
         out["transport"] = "shared memory" if model.shared_memory else "the process group"
     if isinstance(model, nd.DDP) and model.record_timeline:
         out["timeline"] = model.timeline
-        out["buckets"] = [b.buffer.numel() for b in model.buckets]
+        out["buckets"] = [b.numel for b in model.buckets]
     return out
 
 

@@ -161,12 +161,15 @@ class TokenStream:
 
     The stream is cut into n_windows = (len(tokens) - 1) // block_size windows; window i is
     tokens[i*T : i*T + T + 1], so x = its first T tokens and y = its last T (the next-token targets).
-    Each epoch, the windows (shuffled with a generator seeded by (seed, epoch) when shuffle=True) are dealt
-    out like cards: rank r takes positions r, r + W, r + 2W, ... (a ShardedSampler with drop_last=True), so
-    ranks never share a window and all ranks get `batches_per_epoch` batches. Leftover windows are skipped.
+    Each epoch, the windows (shuffled with a generator seeded by (seed, epoch) when shuffle=True) are
+    dealt out like cards: of the next world_size x batch_size windows of that order, rank r takes
+    positions r, r + W, r + 2W, ... So ranks never share a window, all ranks get `batches_per_epoch`
+    batches, and the windows left over at the end of an epoch are skipped.
 
-    Iteration never ends; `epoch` advances by itself. state_dict() holds (epoch, batch): after
-    load_state_dict, next() returns exactly the batch the saved stream would have returned next.
+    The position is one global cursor -- (epoch, windows consumed by all ranks in this epoch) -- from
+    which every rank derives its own next windows. state_dict() holds it; after load_state_dict, next()
+    returns exactly the batch the saved stream would have returned next, and at another world size the
+    remaining windows of the epoch are dealt to the new ranks: every window is still read once.
     """
 
     def __init__(self, tokens, *, batch_size: int, block_size: int, rank: int | None = None,
@@ -191,56 +194,59 @@ class TokenStream:
                 f"{block_size + 1} tokens; at world size {world_size} each rank gets {per_rank} windows, fewer than "
                 f"batch_size={batch_size}. Use a longer text (at least {batch_size * world_size * block_size + 1} "
                 f"tokens), a smaller batch_size or block_size, or fewer ranks.")
-        self._sampler = ShardedSampler(range(self.n_windows), shuffle=shuffle, seed=seed, drop_last=True,
-                                       rank=rank, world_size=world_size)
         self._offsets = torch.arange(block_size + 1)
-        self.epoch, self.batch = 0, 0  # the next batch to produce
+        self.epoch, self.consumed = 0, 0  # the global cursor: windows read by all ranks so far in this epoch
         self._order_epoch, self._order = None, None
 
+    @property
+    def step_windows(self) -> int:
+        """Windows every batch takes from the global order: one batch for each rank."""
+        return self.world_size * self.batch_size
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._order_epoch != epoch:
+            order = (torch.randperm(self.n_windows, generator=_epoch_generator(self.seed, epoch)) if self.shuffle
+                     else torch.arange(self.n_windows))
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
     def window_indices(self, epoch: int | None = None) -> list[int]:
-        """The windows this rank reads in an epoch, in order (only the first batches_per_epoch * batch_size)."""
-        used = self.batches_per_epoch * self.batch_size
-        return self._sampler.indices(self.epoch if epoch is None else epoch)[:used]
+        """The windows this rank reads in a whole epoch (default: the current one), in order, at this world size."""
+        order = self._epoch_order(self.epoch if epoch is None else epoch)
+        used = self.batches_per_epoch * self.step_windows
+        return order[:used][self.rank::self.world_size].tolist()
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batch >= self.batches_per_epoch:
-            self.epoch, self.batch = self.epoch + 1, 0
-        if self._order_epoch != self.epoch:
-            self._order, self._order_epoch = torch.tensor(self.window_indices(), dtype=torch.int64), self.epoch
-        B, T = self.batch_size, self.block_size
-        windows = self._order[self.batch * B:(self.batch + 1) * B]
+        if self.n_windows - self.consumed < self.step_windows:  # not a full batch left for every rank
+            self.epoch, self.consumed = self.epoch + 1, 0
+        order = self._epoch_order(self.epoch)
+        W, B, T = self.world_size, self.batch_size, self.block_size
+        windows = order[self.consumed + self.rank:self.consumed + W * B:W]
         chunk = self.tokens[windows[:, None] * T + self._offsets].long()  # (B, T + 1)
-        self.batch += 1
+        self.consumed += W * B
         x, y = chunk[:, :-1], chunk[:, 1:]
         if self.device is not None:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return x, y
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "shuffle": self.shuffle,
+        """The global cursor and what defines the order; the same on every rank."""
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "shuffle": self.shuffle,
                 "n_tokens": len(self.tokens), "batch_size": self.batch_size, "block_size": self.block_size,
-                "world_size": self.world_size, "batches_per_epoch": self.batches_per_epoch}
+                "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the position. Same tokens, sizes, seed needed; another world size only at an epoch boundary."""
+        """Restore the cursor. Same tokens, sizes and seed needed; any world size (the rest of the epoch is dealt
+        to this run's ranks)."""
         _check_state("TokenStream", state, {"seed": self.seed, "shuffle": self.shuffle, "n_tokens": len(self.tokens),
                                             "batch_size": self.batch_size, "block_size": self.block_size})
-        epoch, batch = int(state["epoch"]), int(state["batch"])
-        saved_world = state.get("world_size", self.world_size)
-        if saved_world != self.world_size:
-            # Another world size splits the windows differently: only an epoch boundary carries over.
-            if batch == state.get("batches_per_epoch"):
-                epoch, batch = epoch + 1, 0
-            elif batch != 0:
-                raise ValueError(f"cannot resume mid-epoch (batch {batch}) at world size {self.world_size}: the "
-                                 f"state was saved at world size {saved_world}. Resume with the same number of "
-                                 f"ranks, or from a checkpoint taken at an epoch boundary.")
-        if not 0 <= batch <= self.batches_per_epoch:
-            raise ValueError(f"batch {batch} is outside 0..{self.batches_per_epoch} (batches per epoch)")
-        self.epoch, self.batch = epoch, batch
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        if not 0 <= consumed <= self.n_windows:
+            raise ValueError(f"cursor {consumed} is outside 0..{self.n_windows} (windows per epoch)")
+        self.epoch, self.consumed = epoch, consumed
 
 
 def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:

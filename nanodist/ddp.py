@@ -7,12 +7,14 @@
 
 How it works. Parameters are grouped, in reverse registration order (roughly the order in which
 backward produces their gradients), into buckets of about `bucket_cap_mb`. Each bucket owns one
-flat buffer. A hook on every parameter fires as soon as autograd has accumulated its gradient;
-the hook copies the gradient into its bucket's buffer, and when the last gradient of a bucket has
-arrived the bucket's all-reduce is launched *asynchronously* — it runs on the backend's threads
-while autograd goes on computing the gradients of earlier layers. That overlap is why DDP scales.
-At the very end of backward a callback waits for every bucket and points each `param.grad` at its
-averaged slice of the buffer.
+flat buffer. A hook on every parameter fires as soon as autograd has accumulated its gradient, and
+when the last gradient of a bucket has arrived the bucket is launched: its gradients are copied into
+its buffer and its all-reduce starts *asynchronously* -- it runs on the backend's threads while
+autograd goes on computing the gradients of earlier layers. That overlap is why DDP scales. At the
+very end of backward a callback waits for every bucket and points each `param.grad` at its averaged
+slice of the buffer. The hooks, the order and the wait are the gradient-sync engine's
+(nanodist.sync), which the sharded optimizers of chapter 4 share; DDP's own part is `_launch` and
+`_finish`.
 
 `NaiveDDP` does the obvious thing instead — one blocking all-reduce per parameter after backward —
 for comparison. Both work with any initialised default process group.
@@ -20,36 +22,16 @@ for comparison. Both work with any initialised default process group.
 from __future__ import annotations
 
 import contextlib
-import functools
-import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .group import Group
-from .sync import DONE as _DONE
-from .sync import pack_buckets
 from .runtime import get_logger
+from .sync import DONE, Bucket, BucketTimeline, GradSync, Slot, Work, all_reduce_sum, pack_buckets
 
 _ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run a function when backward ends
-
-
-@dataclass
-class _Bucket:
-    index: int
-    params: list[nn.Parameter]
-    offsets: list[int]
-    buffer: torch.Tensor
-    slots: list[torch.Tensor]  # each parameter's slice of the buffer, shaped like the parameter
-    grads: torch.Tensor  # the buffer without its extra last element (if any)
-    ready: int = 0
-    work: object = None
-    launched_at: float = 0.0
-    done_at: list = field(default_factory=list)
-    reducer: object = None  # a nanodist.shm.SharedMemoryAllReduce, with DDP(shared_memory=True)
-    shm_slots: list = None  # each parameter's slice of this rank's row of the shared memory
 
 
 class _SyncBase(nn.Module):
@@ -64,8 +46,7 @@ class _SyncBase(nn.Module):
         g = Group.resolve(group)
         self.group, self.pg, self.world_size = g, g.pg, g.size
         self.broadcast_buffers = broadcast_buffers
-        self.require_sync = True
-        self._callback_queued = False
+        self._require_sync = True
         self.trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check_same_structure()  # first: every rank must agree before anyone may raise
         sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True
@@ -117,17 +98,26 @@ class _SyncBase(nn.Module):
     # --- forward / no_sync ---------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        if self._callback_queued or self._in_backward():
+        if self._in_backward():
             # The previous backward was interrupted (an exception, Ctrl-C) before its end-of-backward
             # callback ran: forget its half-finished state instead of mistaking it for this step's.
             get_logger().warning(f"{type(self).__name__}: the previous backward did not finish; its partial "
                                  f"gradient synchronisation was discarded")
-            self._callback_queued = False
             self._reset()
         if self._sync_buffers and self.require_sync:
             for b in self._sync_buffers:  # e.g. BatchNorm running stats: rank 0's win, as in torch DDP
                 dist.broadcast(b.data, src=self.group.global_rank(0), group=self.pg)
         return self.module(*args, **kwargs)
+
+    @property
+    def require_sync(self) -> bool:
+        """Whether the next backward synchronises the gradients (False inside no_sync())."""
+        return self._require_sync
+
+    @require_sync.setter
+    def require_sync(self, sync: bool) -> None:
+        self._require_sync = bool(sync)
+        self._set_sync(self._require_sync)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -138,20 +128,25 @@ class _SyncBase(nn.Module):
         finally:
             self.require_sync = before
 
-    def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            _ENGINE.queue_callback(self._end_of_backward)
+    # --- the Trainer's protocol (nanodist.parallel.GradientSync) ------------------------------------
 
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
-        self._finish()
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward only accumulates local gradients (what no_sync() does for a block)."""
+        self.require_sync = bool(requires_gradient_sync)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Every rank holds the whole averaged gradient: its norm is the global one, computed locally."""
+        return torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.grad is not None], max_norm)
 
     def _in_backward(self) -> bool:
+        """A backward started synchronising and did not finish (interrupted by an exception)."""
         return False
 
     def _reset(self) -> None:
-        pass
+        """Forget a half-finished synchronisation."""
+
+    def _set_sync(self, sync: bool) -> None:
+        """The wrapper's own reaction to require_sync changing."""
 
     def state_dict(self, *args, **kwargs):  # checkpoints hold the bare module's names, no "module." prefix
         return self.module.state_dict(*args, **kwargs)
@@ -166,11 +161,15 @@ class DDP(_SyncBase):
     - bucket_cap_mb: bucket size; smaller buckets start communicating earlier, larger ones cost less latency.
     - find_unused_parameters: allow parameters that get no gradient in a step (costs one tiny all-reduce).
       Without it such parameters raise an error naming them. Frozen parameters are always skipped.
-    - record_timeline: keep, per step, when each bucket was launched and finished (for the plots).
+    - record_timeline: keep, per step, when each bucket was launched and finished (for the plots): an
+      observer of the sync engine (nanodist.sync.BucketTimeline), so a DDP without it takes no timestamps.
     - shared_memory: CPU ranks on one machine reduce each bucket through shared memory (nanodist.shm)
       instead of the process group: no network stack, but the reduction runs in the hook, so it does not
       overlap backward. Where it cannot be used (ranks on several machines, no room in /dev/shm) DDP says
       so once and uses the process group.
+
+    The hooks, the bucket order and the end-of-backward wait are the gradient-sync engine's (nanodist.sync);
+    what is DDP's own is below: how a bucket is packed and reduced, and where the average ends up.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
@@ -179,7 +178,7 @@ class DDP(_SyncBase):
                  shared_memory: bool = False):
         super().__init__(module, group, broadcast_buffers)
         first_bucket_cap_mb = bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
-        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+        if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
             raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={bucket_cap_mb}, "
                              f"first_bucket_cap_mb={first_bucket_cap_mb}")
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
@@ -189,184 +188,131 @@ class DDP(_SyncBase):
         self.first_bucket_cap_bytes = int(min(first_bucket_cap_mb, bucket_cap_mb) * 2**20)
         self.find_unused_parameters = find_unused_parameters
         self.record_timeline = record_timeline
-        self.timeline: list[dict] = []  # filled when record_timeline: one dict per bucket per step
         self.sync_count = 0  # backward passes whose gradients were averaged (no_sync ones are not)
+        self._params = [p for _, p in self.trainable]
         self.buckets = self._build_buckets()
         self.shared_memory = shared_memory and self.world_size > 1 and self._attach_shared_memory()
-        # Per trainable parameter (by its index in self.trainable): its bucket, and its slice of that bucket's
-        # buffer shaped like the parameter. The hooks below run once per parameter per backward, in Python, so
-        # they only count; the copying is done per bucket, in one call, when the bucket is complete.
-        self._params = [p for _, p in self.trainable]
-        where = {id(p): (b, b.slots[j]) for b in self.buckets for j, p in enumerate(b.params)}
-        self._bucket_of = [where[id(p)][0] for p in self._params]
-        self._slot_of = [where[id(p)][1] for p in self._params]
-        self._fired = [False] * len(self._params)  # which hooks ran in this backward
-        self._n_fired = 0
-        self._next = 0  # the next bucket to launch
-        self._backward_start = None
-        self._autograd_end = None
         self._missing = 0  # this rank's parameters without a gradient, sent along in the last bucket
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
-                       for i, p in enumerate(self._params)]
+        self._timeline = BucketTimeline() if record_timeline else None
+        self._engine = GradSync(self._params, self.buckets, self._launch, self._finish,
+                                before_last=self._count_missing, observer=self._timeline,
+                                names=[f"DDP: parameter {n}" for n, _ in self.trainable])
 
-    def _build_buckets(self) -> list[_Bucket]:
-        params = [p for _, p in reversed(self.trainable)]  # backward meets the last layers first
-        buckets = [[params[i] for i in run]
-                   for run in pack_buckets(params, self.bucket_cap_bytes, self.first_bucket_cap_bytes)]
-        out = []
-        for i, ps in enumerate(buckets):
-            offsets, n = [], 0
-            for p in ps:
-                offsets.append(n)
-                n += p.numel()
-            # The last bucket carries one extra element: how many parameters got no gradient on this rank,
-            # so that after its all-reduce every rank knows whether *any* rank missed one.
-            extra = 1 if i == len(buckets) - 1 else 0
-            buffer = torch.zeros(n + extra, dtype=ps[0].dtype, device=ps[0].device)
-            slots = [buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, ps)]
-            out.append(_Bucket(i, ps, offsets, buffer, slots, buffer[:n]))
-        return out
+    @property
+    def timeline(self) -> list[dict]:
+        """With record_timeline: one dict per bucket per backward (see nanodist.sync.BucketTimeline)."""
+        return self._timeline.entries if self._timeline is not None else []
+
+    def _build_buckets(self) -> list[Bucket]:
+        order = list(reversed(range(len(self._params))))  # backward meets the last layers first
+        runs = pack_buckets([self._params[i] for i in order], self.bucket_cap_bytes, self.first_bucket_cap_bytes)
+        buckets = []
+        for k, run in enumerate(runs):
+            idx = [order[j] for j in run]
+            slots, n = [], 0
+            for i in idx:
+                slots.append(Slot(i, 0, self._params[i].numel(), n))
+                n += self._params[i].numel()
+            p0 = self._params[idx[0]]
+            b = Bucket(k, idx, slots, n, p0.dtype, p0.device)
+            # The last bucket carries one extra element: how many parameters got no gradient on this rank, so
+            # that after its all-reduce every rank knows whether *any* rank missed one.
+            extra = 1 if k == len(runs) - 1 else 0
+            buffer = torch.zeros(n + extra, dtype=p0.dtype, device=p0.device)
+            b.extra.update(buffer=buffer, grads=buffer[:n],
+                           views=[buffer[s.offset:s.offset + s.numel].view_as(self._params[s.param]) for s in slots])
+            buckets.append(b)
+        return buckets
 
     def _attach_shared_memory(self) -> bool:
-        devices = {b.buffer.device.type for b in self.buckets}
+        devices = {b.device.type for b in self.buckets}
         if devices != {"cpu"}:
             raise ValueError(f"DDP(shared_memory=True) reduces CPU tensors, but the parameters are on "
                              f"{', '.join(sorted(devices))}: leave shared_memory off on GPUs (nccl is faster)")
         from .shm import SharedMemoryAllReduce
         try:
             for b in self.buckets:
-                b.reducer = SharedMemoryAllReduce(b.buffer.numel(), b.buffer.dtype, self.group)
-                b.shm_slots = [b.reducer.mine[o:o + p.numel()].view_as(p) for o, p in zip(b.offsets, b.params)]
+                reducer = SharedMemoryAllReduce(b.extra["buffer"].numel(), b.dtype, self.group)
+                b.extra.update(reducer=reducer, shm_views=[reducer.mine[s.offset:s.offset + s.numel].view_as(
+                    self._params[s.param]) for s in b.slots])
         except (ValueError, OSError) as e:  # raised on every rank alike, so every rank falls back together
             for b in self.buckets:
-                b.reducer = b.shm_slots = None
+                b.extra.pop("reducer", None)
+                b.extra.pop("shm_views", None)
             get_logger().warning(f"DDP: shared memory unavailable, reducing through the process group ({e})")
             return False
         return True
 
-    # --- during backward ----------------------------------------------------------------------------
+    # --- the engine's side --------------------------------------------------------------------------
 
-    def _grad_ready(self, i: int, p: nn.Parameter) -> None:
-        """Runs as soon as autograd has accumulated p.grad (p is self._params[i])."""
-        if not self.require_sync:
-            return  # no_sync: the gradient just accumulates in p.grad
-        if self._backward_start is None:
-            self._backward_start = time.perf_counter()
-            self._queue_end_of_backward()
-        if self._fired[i]:
-            raise RuntimeError(f"DDP: parameter {self.trainable[i][0]} received a gradient twice in one backward "
-                               f"(the same module run twice in one step?); this is not supported")
-        self._fired[i] = True
-        self._n_fired += 1
-        bucket = self._bucket_of[i]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch_ready_buckets()
+    def _count_missing(self, missing: list[int]) -> None:
+        self._missing = len(missing)
 
-    def _launch_ready_buckets(self) -> None:
-        # Buckets go out strictly in index order: collectives are matched across ranks by the order in
-        # which they are called, so every rank must issue them in the same order.
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
-            self._next += 1
+    def _launch(self, b: Bucket) -> Work:
+        """Gather the bucket's gradients into its buffer in one call, scale by 1/N and all-reduce with SUM: the
+        buffer then holds the average. This is torch DDP's arithmetic: with the same buckets the two agree to the
+        last bit. A missing gradient travels as zeros."""
+        reducer = b.extra.get("reducer")
+        views = b.extra["shm_views"] if reducer is not None else b.extra["views"]
+        have = [(v, self._params[s.param].grad) for v, s in zip(views, b.slots)]
+        for v, g in have:
+            if g is None:
+                v.zero_()
+        pairs = [(v, g) for v, g in have if g is not None]
+        if pairs:  # a gradient accumulated in place, already in its slot, is skipped by copy_
+            torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
+        last = b.index == len(self.buckets) - 1
+        if reducer is not None:
+            # The gradients went straight into this rank's row of the shared memory; the ranks add up each
+            # other's rows, and the average is copied into the bucket. Synchronous: done when this returns.
+            reducer.mine[:b.numel].mul_(1.0 / self.world_size)
+            if last:
+                reducer.mine[-1] = self._missing
+            b.extra["buffer"].copy_(reducer.all_reduce_())
+            return DONE
+        b.extra["grads"].mul_(1.0 / self.world_size)
+        if last:
+            b.extra["buffer"][-1] = self._missing
+        return all_reduce_sum(b.extra["buffer"], self.group)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        if bucket.reducer is not None:
-            return self._reduce_in_shared_memory(bucket)
-        # Gather the bucket's gradients into its buffer in one call (a gradient accumulated in place, already
-        # in its slot, is skipped by copy_), scale by 1/N and all-reduce with SUM: the buffer then holds the
-        # average. This is torch DDP's arithmetic: with the same buckets the two agree to the last bit.
-        torch._foreach_copy_(bucket.slots, [p.grad for p in bucket.params])
-        bucket.grads.mul_(1.0 / self.world_size)
-        if bucket.index == len(self.buckets) - 1:
-            bucket.buffer[-1] = self._missing
-        bucket.launched_at = time.perf_counter()
-        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
-        if self.record_timeline:
-            bucket.done_at = []
-            bucket.work.get_future().then(lambda _f, b=bucket: b.done_at.append(time.perf_counter()))
-
-    def _reduce_in_shared_memory(self, bucket: _Bucket) -> None:
-        # The same arithmetic, but the gradients go straight into this rank's row of the shared memory, the
-        # ranks add up each other's rows, and the average is copied into the bucket. Synchronous: it is done
-        # when this returns.
-        reducer, n = bucket.reducer, bucket.grads.numel()
-        torch._foreach_copy_(bucket.shm_slots, [p.grad for p in bucket.params])
-        reducer.mine[:n].mul_(1.0 / self.world_size)
-        if bucket.index == len(self.buckets) - 1:
-            reducer.mine[-1] = self._missing
-        bucket.launched_at = time.perf_counter()
-        bucket.buffer.copy_(reducer.all_reduce_())
-        bucket.work = _DONE
-        bucket.done_at = [time.perf_counter()]
-
-    # --- end of backward ----------------------------------------------------------------------------
-
-    def _finish(self) -> None:
-        self._autograd_end = time.perf_counter()  # autograd is done; from here on we only wait
+    def _finish(self, missing: list[int]) -> None:
         self.sync_count += 1
         params = self._params
-        missing = [] if self._n_fired == len(params) else [i for i, f in enumerate(self._fired) if not f]
-        # Parameters whose hook did not fire this step contribute what they hold: a gradient accumulated
-        # under no_sync, or zeros. Then every remaining bucket goes out, in order.
-        no_grad = [i for i in missing if params[i].grad is None]
-        self._missing = len(no_grad)
-        for i in missing:
-            if params[i].grad is None:
-                params[i].grad = torch.zeros_like(params[i])  # joins as zeros; set back to None below
-            self._bucket_of[i].ready += 1
-        self._launch_ready_buckets()
         unused_everywhere = set()
         if self.find_unused_parameters:
             # Which parameters did *any* rank use? Those no rank used keep grad None, as in torch DDP.
-            flags = torch.ones(len(params), dtype=torch.int32, device=self.buckets[0].buffer.device)
-            if no_grad:
-                flags[no_grad] = 0
+            flags = torch.ones(len(params), dtype=torch.int32, device=self.group.comm_device)
+            if missing:
+                flags[missing] = 0
             dist.all_reduce(flags, group=self.pg)
             unused_everywhere = {i for i, f in enumerate(flags.tolist()) if f == 0}
-        self._wait_all()
-        anyone_missing = self.buckets[-1].buffer[-1].item() > 0  # summed counts: > 0 if any rank missed one
+        anyone_missing = self.buckets[-1].extra["buffer"][-1].item() > 0  # summed counts: > 0 if any rank missed one
         if anyone_missing and not self.find_unused_parameters:
-            for i in no_grad:
-                params[i].grad = None
-            self._reset()  # every rank raises, so no rank walks on into the next step's collectives alone
-            names = [self.trainable[i][0] for i in no_grad]
+            # Every rank raises, so no rank walks on into the next step's collectives alone.
+            names = [self.trainable[i][0] for i in missing]
             here = (f"on this rank: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names
                     else "on another rank (this rank had every gradient)")
             raise RuntimeError(
                 f"DDP: parameter(s) got no gradient this step, {here}. If they are unused on purpose, wrap "
                 f"with DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
-        for p, slot in zip(params, self._slot_of):
-            if p.grad is not slot:
-                p.grad = slot  # the averaged gradient lives in the bucket: no copy back
+        for b in self.buckets:
+            for s, view in zip(b.slots, b.extra["views"]):
+                p = params[s.param]
+                if p.grad is not view:
+                    p.grad = view  # the averaged gradient lives in the bucket: no copy back
         for i in unused_everywhere:
             params[i].grad = None
-        self._reset()
 
-    def _wait_all(self) -> None:
-        for b in self.buckets:
-            b.work.wait()
-        if self.record_timeline and self._backward_start is not None:
-            # On CUDA a future may complete before the kernel does: the timeline is exact on gloo/CPU only.
-            end = time.perf_counter()
-            t0 = self._backward_start
-            for b in self.buckets:
-                done = b.done_at[0] if b.done_at else end
-                self.timeline.append({"bucket": b.index, "numel": b.grads.numel(),
-                                      "launch_s": b.launched_at - t0, "done_s": done - t0,
-                                      "autograd_end_s": self._autograd_end - t0, "synced_s": end - t0})
+    # --- hooks into _SyncBase -----------------------------------------------------------------------
 
     def _in_backward(self) -> bool:
-        return self._backward_start is not None
+        return self._engine.pending
 
     def _reset(self) -> None:
-        for b in self.buckets:
-            b.ready, b.work = 0, None
-        self._fired = [False] * len(self._params)
-        self._n_fired = 0
-        self._next = 0
-        self._missing = 0
-        self._backward_start = None
+        self._engine.reset()
+
+    def _set_sync(self, sync: bool) -> None:
+        self._engine.enabled = sync
 
 
 class NaiveDDP(_SyncBase):
@@ -374,11 +320,23 @@ class NaiveDDP(_SyncBase):
 
     def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True):
         super().__init__(module, group, broadcast_buffers)
+        self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in self.trainable]
 
     def _grad_ready(self, p: nn.Parameter) -> None:
-        if self.require_sync:
-            self._queue_end_of_backward()
+        if self.require_sync and not self._callback_queued:
+            self._callback_queued = True
+            _ENGINE.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._finish()
+
+    def _in_backward(self) -> bool:
+        return self._callback_queued
+
+    def _reset(self) -> None:
+        self._callback_queued = False
 
     def _finish(self) -> None:
         for _, p in self.trainable:

@@ -282,7 +282,7 @@ def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: i
         last = _exception_line(tb) if tb.strip() else "(no traceback printed; see .output)"
         raise LaunchError(f"{script.name} failed on {where} (exit code {returncode}): {last}\n\n{tb}",
                           returncode=returncode, rank=rank, traceback=tb, output=text)
-    found = sorted(Path(child_env["NANODIST_RESULTS_DIR"]).glob(f"*/{run_id}.json"))
+    found = sorted(Path(child_env["NANODIST_RESULTS_DIR"]).glob(f"*/{run_id}.jsonl"))
     results = load(found[0]) if found else None
     return LaunchResult(results=results, output=text, run_id=run_id, port=port, returncode=0,
                         elapsed_s=elapsed, command=commands)

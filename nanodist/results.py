@@ -1,15 +1,22 @@
-"""Results files: what every lab run writes, and how the book reads them back.
+"""Results files: what every lab run writes as it goes, and how the book reads them back.
 
-A lab writes one JSON file per run, `<results dir>/<lab>/<run-id>.json` (rank 0 only):
+A lab writes one file per run, `<results dir>/<lab>/<run-id>.jsonl` (rank 0 only), one JSON object
+a line, appended as the run goes -- a run that is killed keeps every line it wrote:
 
     rec = Recorder("lab03_ddp", config=vars(args))   # after nanodist.init()
-    rec.step(step=0, time_s=0.41, loss=3.2)          # per-step timings and metrics
+    rec.step(step=0, time_s=0.41, loss=3.2)          # a "step" line, written now
     rec.metrics["tokens_per_s"] = 12345.0
-    rec.save()                                        # rank 0 writes; returns the path
+    rec.save()                                        # a "metrics" line and an "end" line; returns the path
 
+The lines: a "header" (configuration, world, hardware), then "step", "metrics", "stop" (a run that
+stopped itself, with the reason) and "end" lines. A resumed run (`Recorder(..., run_id=the old one)`)
+appends a "resume" line and goes on in the same file; steps after its checkpoint run again, and the
+reader keeps the last record of each step, so every step counts once.
+
+`load()` folds a file into one record (header fields, `steps`, `metrics`, `complete`, `stopped`).
 `load_all()` reads every file under the results directory *and* `labs/results/reference/` (runs
-brought from other machines, e.g. a 2-GPU box), validating each, and `table()` flattens them
-into rows that the plots use — so numbers from any machine land in the same figure.
+brought from other machines, e.g. a 2-GPU box), skipping a bad file with a warning that names it, and
+`table()` flattens them into rows that the plots use -- so numbers from any machine land in the same figure.
 
 The results directory is NANODIST_RESULTS_DIR if set (the test suite points it at a temporary
 folder), otherwise `labs/results/` in this repository.
@@ -24,6 +31,7 @@ import platform
 import socket
 import sys
 import uuid
+import warnings
 from pathlib import Path
 
 import psutil
@@ -32,7 +40,7 @@ import torch
 from .group import Group
 from .table import Table
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: one JSON object per run, written at the end (still read)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_DIR = REPO_ROOT / "labs" / "results" / "reference"
 
@@ -176,70 +184,189 @@ def _jsonable(x):
 # ----------------------------------------------------------------------------- writing
 
 class Recorder:
-    """Collects one run's steps and metrics and writes them (rank 0) as a validated results file."""
+    """Appends one run's steps and metrics to its results file as they come (global rank 0 writes).
 
-    def __init__(self, lab: str, config: dict | None = None, argv: list[str] | None = None, group=None):
+    run_id: the run this is (default: NANODIST_RUN_ID, else a new one). When the file of that run exists
+    already -- a run resumed from a checkpoint -- lines are appended after a "resume" line.
+    """
+
+    def __init__(self, lab: str, config: dict | None = None, argv: list[str] | None = None, group=None,
+                 run_id: str | None = None, directory: str | Path | None = None):
         self.group = Group.resolve(group)
         self.lab = lab
         self.config = dict(config or {})
         self.argv = list(sys.argv if argv is None else argv)
-        self.run_id = new_run_id()
+        self.run_id = run_id or new_run_id()
+        self.directory = Path(directory) if directory is not None else None
         self.steps: list[dict] = []
         self.metrics: dict = {}
+        self._written_metrics: dict = {}
+        self._file = None
+        self._started = False  # this Recorder wrote its header (or resume line) already
+
+    @property
+    def path(self) -> Path:
+        return (self.directory or results_dir() / self.lab) / f"{self.run_id}.jsonl"
+
+    def _identity(self) -> dict:
+        g = self.group
+        nnodes = max(1, g.size // max(int(os.environ.get("LOCAL_WORLD_SIZE", g.size)), 1))
+        return {"schema_version": SCHEMA_VERSION, "lab": self.lab, "run_id": self.run_id,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "argv": self.argv, "config": self.config, "world_size": g.size,
+                "nnodes": int(os.environ.get("NANODIST_NNODES", nnodes)),
+                "backend": g.backend if g.backend != "local" else "gloo", "device": g.device.type,
+                "hardware": hardware_fingerprint()}
+
+    def _write(self, kind: str, **fields) -> None:
+        if self.group.rank != 0:
+            return
+        if self._file is None:
+            path = self.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            resumed = path.exists() and path.stat().st_size > 0
+            self._file = open(path, "a", encoding="utf-8")
+            if not self._started:
+                if resumed:
+                    self._file.write("\n")  # a line a killed run did not finish stays a line of its own
+                self._file.write(json.dumps({"kind": "resume" if resumed else "header",
+                                             **_jsonable(self._identity())}, allow_nan=False) + "\n")
+                self._started = True
+        self._file.write(json.dumps({"kind": kind, **_jsonable(fields)}, allow_nan=False) + "\n")
+        self._file.flush()  # in the kernel now: a SIGKILL of this process loses nothing
 
     def step(self, step: int, time_s: float, **values) -> None:
         """Record one step: its index, wall time in seconds, and any scalar metrics (loss, tokens/s...)."""
-        self.steps.append({"step": int(step), "time_s": float(time_s), **values})
+        row = {"step": int(step), "time_s": float(time_s), **values}
+        self.steps.append(row)
+        self._write("step", **row)
 
-    def record(self) -> dict:
-        g = self.group
-        nnodes = max(1, g.size // max(int(os.environ.get("LOCAL_WORLD_SIZE", g.size)), 1))
-        rec = {
-            "schema_version": SCHEMA_VERSION,
-            "lab": self.lab,
-            "run_id": self.run_id,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "argv": self.argv,
-            "config": self.config,
-            "world_size": g.size,
-            "nnodes": int(os.environ.get("NANODIST_NNODES", nnodes)),
-            "backend": g.backend if g.backend != "local" else "gloo",
-            "device": g.device.type,
-            "steps": self.steps,
-            "metrics": self.metrics,
-            "hardware": hardware_fingerprint(),
-        }
-        return validate(_jsonable(rec))
+    def stop(self, reason: str, **fields) -> None:
+        """The run stopped itself (e.g. a non-finite loss): say why, in the file."""
+        self._write("stop", reason=reason, **fields)
+        self.save()
 
     def save(self, directory: str | Path | None = None) -> Path | None:
-        """Write the file on global rank 0 (other ranks return None). Atomic: no half-written files."""
+        """Write what changed in `metrics` and an "end" line (global rank 0; the others return None). A
+        `directory` moves the file there (the lines written so far come along)."""
         if self.group.rank != 0:
             return None
-        out = Path(directory) if directory is not None else results_dir() / self.lab
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{self.run_id}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.record(), indent=1, allow_nan=False) + "\n")
-        os.replace(tmp, path)
-        return path
+        if directory is not None and Path(directory) != self.path.parent:
+            old = self.path
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self.directory = Path(directory)
+            if old.exists():
+                self.directory.mkdir(parents=True, exist_ok=True)
+                os.replace(old, self.path)
+        changed = {k: v for k, v in self.metrics.items() if self._written_metrics.get(k, _MISSING) is not v}
+        if changed:
+            self._write("metrics", **changed)
+            self._written_metrics.update(changed)
+        self._write("end")
+        self._file.close()
+        self._file = None
+        return self.path
+
+    def record(self) -> dict:
+        """What a reader of the file will see (the folded record), from this process's memory."""
+        return validate(_jsonable({**self._identity(), "steps": self.steps, "metrics": self.metrics}))
+
+
+_MISSING = object()
 
 
 # ----------------------------------------------------------------------------- reading
 
-def load(path: str | Path) -> dict:
-    """Read and validate one results file; errors name the file and the field."""
+def _fold(lines: list[dict], source: str) -> dict:
+    """One record from a results file's lines: the header's fields, the last record of each step, the merged
+    metrics, and whether the run ended ("complete") or stopped itself ("stopped": the reason)."""
+    if not lines or lines[0].get("kind") != "header":
+        raise ResultsError(f"{source}: the first line is not a header (kind 'header')")
+    record = {k: v for k, v in lines[0].items() if k != "kind"}
+    steps: dict[int, dict] = {}
+    metrics: dict = {}
+    record.update(complete=False, stopped=None, resumes=0)
+    for i, line in enumerate(lines[1:], start=2):
+        kind = line.get("kind")
+        body = {k: v for k, v in line.items() if k != "kind"}
+        if kind == "step":
+            if "step" not in body or isinstance(body["step"], bool) or not isinstance(body["step"], int):
+                raise ResultsError(f"{source}: line {i}: field 'step' is missing or not an integer")
+            steps[body["step"]] = body
+        elif kind == "metrics":
+            metrics.update(body)
+        elif kind == "stop":
+            record["stopped"] = body.get("reason", "")
+        elif kind == "resume":
+            record["resumes"] += 1
+            record["complete"] = False
+        elif kind == "end":
+            record["complete"] = True
+        else:
+            raise ResultsError(f"{source}: line {i}: unknown kind {kind!r}")
+    record["steps"] = [steps[k] for k in sorted(steps)]
+    record["metrics"] = metrics
+    return record
+
+
+def dump(record: dict, path: str | Path) -> Path:
+    """Write a folded record (what load() returns) as a results file: for copying runs between machines."""
     path = Path(path)
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ResultsError(f"{path}: not valid JSON ({e})") from None
+    record = validate(_jsonable({k: v for k, v in record.items() if not k.startswith("_")}), str(path))
+    head = {k: v for k, v in record.items() if k not in ("steps", "metrics", "complete", "stopped", "resumes")}
+    lines = [{"kind": "header", **head}] + [{"kind": "step", **s} for s in record["steps"]]
+    lines += [{"kind": "metrics", **record["metrics"]}] + ([{"kind": "end"}] if record.get("complete", True) else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(line, allow_nan=False) + "\n" for line in lines))
+    return path
+
+
+def load(path: str | Path) -> dict:
+    """Read and validate one results file (.jsonl, or a schema-1 .json); errors name the file and the field.
+
+    A last line cut short (the run was killed while writing it) is ignored."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ResultsError(f"{path}: not valid JSON ({e})") from None
+        if isinstance(record, dict):
+            record = {"complete": True, "stopped": None, "resumes": 0, **record}
+    else:
+        parsed = []  # (line number, object or the decoding error)
+        for i, line in enumerate(text.split("\n"), start=1):
+            if line.strip():
+                try:
+                    parsed.append((i, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    parsed.append((i, e))
+        lines = []
+        for k, (i, obj) in enumerate(parsed):
+            if isinstance(obj, json.JSONDecodeError):
+                after = parsed[k + 1][1] if k + 1 < len(parsed) else None
+                if after is None or (isinstance(after, dict) and after.get("kind") == "resume"):
+                    continue  # a line cut short when the run was killed: everything before it stands
+                raise ResultsError(f"{path}: line {i} is not valid JSON ({obj})") from None
+            lines.append(obj)
+        if not lines:
+            raise ResultsError(f"{path}: the file is empty (the run wrote nothing before it ended)")
+        if not all(isinstance(line, dict) for line in lines):
+            raise ResultsError(f"{path}: every line must be one JSON object")
+        record = _fold(lines, str(path))
     record = validate(record, str(path))
     record["_path"] = str(path)
     return record
 
 
 def load_all(lab: str | None = None, roots=None, include_reference: bool = True) -> list[dict]:
-    """Every results file (optionally of one lab) under the results dir and the reference dir, oldest first."""
+    """Every results file (optionally of one lab) under the results dir and the reference dir, oldest first.
+
+    A file that cannot be read is skipped with a warning naming it and what is wrong, so one broken file never
+    hides the others."""
     if roots is None:
         roots = [results_dir()] + ([REFERENCE_DIR] if include_reference else [])
     reference = REFERENCE_DIR.resolve()
@@ -248,17 +375,36 @@ def load_all(lab: str | None = None, roots=None, include_reference: bool = True)
     for root in map(Path, roots):
         if not root.is_dir():
             continue
-        for path in sorted(root.rglob("*.json")):
+        for path in sorted([*root.rglob("*.jsonl"), *root.rglob("*.json")]):
             resolved = path.resolve()
             # labs/results/ contains reference/: walk into it only when it was asked for as a root.
             if reference in resolved.parents and reference not in explicit:
                 continue
-            rec = load(path)
+            try:
+                rec = load(path)
+            except (ResultsError, OSError, UnicodeDecodeError) as e:
+                warnings.warn(f"skipping results file {path}: {e}", stacklevel=2)
+                continue
             key = (rec["lab"], rec["run_id"])
             if (lab is None or rec["lab"] == lab) and key not in seen:
                 seen.add(key)
                 records.append(rec)
     return sorted(records, key=lambda r: (r["created"], r["run_id"]))
+
+
+def check_writable(directory: str | Path | None = None) -> Path:
+    """Make sure results can be written under `directory` (default: the results directory), before a run spends
+    any time: creates it, writes and removes a probe file. Raises ResultsError saying what to do."""
+    directory = Path(directory) if directory is not None else results_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ResultsError(f"cannot write results under {directory} ({e.strerror or e}): choose a writable folder "
+                           f"with NANODIST_RESULTS_DIR=/some/folder, or fix the permissions") from None
+    return directory
 
 
 def _median(xs: list[float]) -> float | None:

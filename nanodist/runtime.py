@@ -185,6 +185,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_state() -> dict:
+    """This process's random generators, as plain values and tensors (torch.load(weights_only=True) reads them):
+    python's `random`, numpy's global generator, torch's CPU generator and every CUDA device's."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(mt), gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                             int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() captured."""
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def _timeout_s(timeout: float | None) -> float:
     if timeout is not None:
         return float(timeout)

@@ -17,6 +17,12 @@ The mapped file holds one row per rank and one row for the result. An all-reduce
     4. barrier                                                every chunk of the result is written
     5. each rank copies the result out                        (an all-gather, done by reading)
 
+A reduce-scatter is steps 1-3 with each rank's chunk read into its own output, and an all-gather is
+each rank writing its chunk of the result row, a barrier, and everyone reading the row: ZeRO (chapter
+4) uses these two. Each operation ends with a barrier once everyone has read, so that the next one
+may write again -- unless the caller passes fence=False because, in its sequence of operations, another
+barrier always comes between this read and the next write to the same memory.
+
 The barriers are the process group's (gloo's): they carry a few bytes, and as system calls they also
 order the memory writes before them against the reads after them, on every CPU architecture. The
 file is deleted as soon as every rank has mapped it, so nothing is left behind, even after a crash.
@@ -40,7 +46,8 @@ def _shm_dir() -> str:
 
 
 class SharedMemoryAllReduce:
-    """Sums a CPU tensor of `numel` elements of `dtype` over the ranks of `group`, through shared memory.
+    """Sums a CPU tensor of `numel` elements of `dtype` over the ranks of `group`, through shared memory;
+    also reduce-scatters and all-gathers (numel = world size x the chunk each rank owns).
 
     Creating one is a collective call. It raises ValueError, on every rank, when the ranks are not all on
     one machine, and OSError, on every rank, when the shared memory cannot be allocated (a full /dev/shm,
@@ -123,3 +130,26 @@ class SharedMemoryAllReduce:
         else:
             tensor.copy_(self.result.view_as(tensor))
         return tensor
+
+    def reduce_scatter_(self, out: torch.Tensor, fence: bool = True) -> torch.Tensor:
+        """Every rank has written its whole input into `self.mine` (world_size chunks of out.numel() elements):
+        out = the sum over ranks of chunk `rank`. Collective. fence=False: see the module docstring."""
+        m = out.numel()
+        if m * self.world_size != self.numel:
+            raise ValueError(f"this reducer holds {self.numel} elements, {self.world_size} chunks of "
+                             f"{self.numel // self.world_size}; got an output of {m}")
+        dist.barrier(group=self.pg)  # every row is written
+        torch.sum(self.rows[:self.world_size, self.rank * m:(self.rank + 1) * m], dim=0, out=out.view(-1))
+        if fence:
+            dist.barrier(group=self.pg)  # every rank has read its chunk: the rows may be written again
+        return out
+
+    def all_gather_(self, inp: torch.Tensor, read, fence: bool = True) -> None:
+        """Rank r's `inp` lands in chunk r of the result row; `read(result)` runs on every rank once all chunks
+        are in (copy out what you need: the row is reused). Collective. fence=False: see the module docstring."""
+        m = inp.numel()
+        self.result[self.rank * m:(self.rank + 1) * m].copy_(inp.view(-1))
+        dist.barrier(group=self.pg)  # every chunk is written
+        read(self.result.view(self.world_size, m))
+        if fence:
+            dist.barrier(group=self.pg)  # everyone has read: the row may be written again

@@ -11,14 +11,27 @@ over `grad_accum` micro-steps per rank:
     total_batch_tokens = micro_batch x seq_len x world_size x grad_accum
 
 so adding ranks at a fixed total batch (strong scaling) means fewer accumulation steps per rank,
-and the optimisation is the same. Under a DDP wrapper the first grad_accum - 1 micro-steps run in
-`no_sync()`: gradients accumulate locally and are averaged across ranks once, on the last one.
+and the optimisation is the same. The first grad_accum - 1 micro-steps run with gradient sync off:
+gradients accumulate locally and are averaged across ranks once, on the last one. The Trainer says
+so, and asks for the clipped norm, through one protocol (nanodist.parallel.GradientSync) that
+nanodist's DDP and sharded optimizers, torch DDP and torch FSDP2 all satisfy.
+
+The learning rate follows a torch LambdaLR (warm-up, then cosine, lr_at). state_dict() holds the
+whole training state -- step, tokens seen, model, optimizer, schedule, the training stream's cursor,
+this rank's random generators and the run id -- and load_state_dict() resumes it bit for bit.
+evaluate() reads the same first eval_batches validation batches every time and changes nothing.
+
+A step whose global gradient norm is not finite (a NaN or inf loss or gradient on any rank) stops the
+run on every rank with one message naming the step and the ranks whose loss was not finite
+(TrainConfig(nonfinite="skip") skips such steps instead, as torch's GradScaler does, and counts them).
+Scalars are read from the device once per log interval on a GPU (every step on a CPU, where reading
+costs nothing), so a step queues its work without waiting.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 from .group import Group
-from .runtime import print0, synchronize
+from .parallel import gradient_sync
+from .results import new_run_id
+from .runtime import print0, rng_state, set_rng_state
 
 
 @dataclass
@@ -46,6 +61,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate once, at the end (if validation data is given)
     eval_batches: int = 4
     log_every: int = 10
+    nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient: "stop" the run, or "skip" the step
     progress: bool = True  # tqdm bar on rank 0
     wandb: bool = False
     wandb_project: str = "nanodist"
@@ -90,7 +106,7 @@ class WandbLogger:
     """
 
     def __init__(self, enabled: bool, project: str, config: dict, name: str | None = None, directory=None,
-                 is_main: bool | None = None):
+                 is_main: bool | None = None, run_id: str | None = None):
         self.run = None
         self.message = None
         if not enabled or not (Group.world().is_main if is_main is None else is_main):
@@ -106,8 +122,12 @@ class WandbLogger:
         mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_configured() else "offline")
         try:
             # reinit="create_new": a lab that trains several models in one process gets one run per model.
+            # A run id, when given, makes a resumed run continue the same wandb run; a lab that trains several
+            # models in one run keeps them apart by name.
+            wid = None if run_id is None else re.sub(r"[^A-Za-z0-9_-]", "-", f"{run_id}-{name or 'train'}")
             self.run = wandb.init(project=project, config=config, name=name, mode=mode, dir=directory,
-                                  reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
+                                  reinit="create_new", id=wid, resume="allow" if wid else None,
+                                  settings=wandb.Settings(silent=True, console="off"))
         except Exception as e:  # a wandb outage must never stop training
             self.message = f"wandb could not start ({type(e).__name__}: {e}): training continues without it"
             print0(self.message)
@@ -146,35 +166,99 @@ def _wandb_configured() -> bool:
         return False
 
 
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient stopped being finite; raised on every rank at once."""
+
+
+class _StepTimer:
+    """Wall time of a step without making the host wait: CUDA events on a GPU, perf_counter on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+
 class Trainer:
     """Runs `cfg.steps` optimizer steps of `model` on batches from `train_data`.
 
-    - model: any module returning (logits, loss) from model(x, y); DDP-wrapped, or bare with an optimizer
-      that averages gradients itself (ZeRO). A module with `no_sync()` gets it for all but the last micro-step.
-    - optimizer: a torch.optim.Optimizer. If it has an attribute `max_grad_norm`, it clips the synchronised
-      gradient itself (sharded optimizers do: only they see the averaged gradient) and the trainer does not.
-    - train_data / val_data: iterators of (x, y) micro-batches of shape (micro_batch, seq_len).
-    - recorder: a nanodist.results.Recorder to receive per-step results (optional).
+    - model: any module returning (logits, loss) from model(x, y). Wrapped (nanodist.DDP, torch DDP, torch
+      fully_shard), or bare with an optimizer that averages gradients itself (nanodist's ZeRO optimizers).
+    - optimizer: a torch.optim.Optimizer; the Trainer drives its lr with a LambdaLR (group lrs keep their ratios).
+    - train_data: an iterator of (x, y) micro-batches of shape (micro_batch, seq_len); its state_dict() (a
+      TokenStream's cursor) is part of the Trainer's.
+    - val_data: an iterator of validation micro-batches; the first eval_batches are read once and reused.
+    - recorder: a nanodist.results.Recorder, which gets every step as it is logged (optional).
+    - group: the ranks that train together (default: the world).
     """
 
     def __init__(self, model, optimizer, train_data, cfg: TrainConfig, val_data=None, recorder=None, group=None):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.train_data, self.val_data, self.recorder = train_data, val_data, recorder
         self.group = Group.resolve(group)
-        self.grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch, cfg.seq_len,
-                                           self.group.size)
+        if not cfg.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be a positive number, got {cfg.lr!r}")
+        if cfg.nonfinite not in ("stop", "skip"):
+            raise ValueError(f"TrainConfig.nonfinite must be 'stop' or 'skip', got {cfg.nonfinite!r}")
+        self.grad_accum = grad_accum_steps(cfg.total_batch_tokens, cfg.micro_batch, cfg.seq_len, self.group.size)
         self.tokens_per_step = cfg.micro_batch * cfg.seq_len * self.group.size * self.grad_accum
         autocast(cfg.dtype, self.group.device)  # validate early
-        for group in optimizer.param_groups:
-            group.setdefault("base_lr", group["lr"])  # groups may have their own lr; the schedule scales it
-        if hasattr(optimizer, "max_grad_norm"):
-            optimizer.max_grad_norm = cfg.grad_clip or None
+        self.sync = gradient_sync(model, optimizer, self.group)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
         self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps = 0
+        self.run_id = recorder.run_id if recorder is not None else new_run_id()
         self.history: list[dict] = []
+        self._pending: list[dict] = []  # steps whose scalars are still on the device
+        self._flush_every = 1 if self.group.device.type != "cuda" else max(1, cfg.log_every)
+        self._timer = _StepTimer(self.group.device)
+        self._val_batches = None
         self._wandb, self._bar = None, None
 
-    def _sync_device(self) -> None:
-        synchronize(self.group.device)
+    # --- the state ----------------------------------------------------------------------------------
+
+    def _bare_model(self):
+        return getattr(self.model, "module", self.model)
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs (see ARCHITECTURE.md). Call it between steps, on every rank."""
+        self._flush()
+        data = self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
+                "run_id": self.run_id, "world_size": self.group.size, "config": asdict(self.cfg),
+                "model": self._bare_model().state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "data": {"train": data},
+                "rng": {f"rank{self.group.rank}": rng_state()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from state_dict(): the next step is exactly the one the saved run took next."""
+        self._bare_model().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["data"]["train"] is not None:
+            self.train_data.load_state_dict(state["data"]["train"])
+        mine = state["rng"].get(f"rank{self.group.rank}")
+        if mine is None:
+            raise ValueError(f"this training state holds the random generators of {sorted(state['rng'])}, not of "
+                             f"rank{self.group.rank}: load on every rank the state that rank saved")
+        set_rng_state(mine)
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.run_id = state["run_id"]
+
+    # --- one step -----------------------------------------------------------------------------------
 
     def _mean_over_ranks(self, value: float) -> float:
         if self.group.size == 1:
@@ -185,80 +269,114 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean validation loss over eval_batches micro-batches per rank, averaged over ranks."""
+        """Mean validation loss over the same eval_batches micro-batches every time, averaged over ranks.
+        Touches neither the training stream nor any random generator."""
         if self.val_data is None:
             return None
+        if self._val_batches is None:
+            self._val_batches = [next(self.val_data) for _ in range(self.cfg.eval_batches)]
+        was_training = self.model.training
         self.model.eval()
         losses = []
-        for _ in range(self.cfg.eval_batches):
-            x, y = next(self.val_data)
+        for x, y in self._val_batches:
             with autocast(self.cfg.dtype, self.group.device):
                 _, loss = self.model(x, y)
-            losses.append(loss.float().item())
-        self.model.train()
-        return self._mean_over_ranks(sum(losses) / len(losses))
+            losses.append(loss.float())
+        self.model.train(was_training)
+        return self._mean_over_ranks(torch.stack(losses).mean().item())
 
     def train_step(self) -> dict:
-        """One optimizer step: grad_accum micro-steps, clipping, the update. Returns what was measured."""
+        """One optimizer step: grad_accum micro-steps, the norm (clipping), the update. Returns the step's row,
+        whose scalars may still be device tensors (read at the next flush)."""
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["base_lr"] * lr / cfg.lr
-        self._sync_device()
-        t0 = time.perf_counter()
-        loss_sum = 0.0
+        start = self._timer.start()
+        loss_sum = torch.zeros((), device=self.group.device)
         for micro in range(self.grad_accum):
+            self.sync.set_requires_gradient_sync(micro == self.grad_accum - 1)
             x, y = next(self.train_data)
-            last = micro == self.grad_accum - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
-                with autocast(cfg.dtype, self.group.device):
-                    _, loss = self.model(x, y)
-                (loss / self.grad_accum).backward()
-            loss_sum += loss.detach()
-        grad_norm = None
-        if cfg.grad_clip and not hasattr(self.optimizer, "max_grad_norm"):
-            # Under DDP the gradients are already averaged, so every rank clips by the same global norm.
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip).item()
-        self.optimizer.step()
-        if grad_norm is None and getattr(self.optimizer, "last_grad_norm", None) is not None:
-            grad_norm = float(self.optimizer.last_grad_norm)  # a sharded optimizer clipped, and measured the norm
+            with autocast(cfg.dtype, self.group.device):
+                _, loss = self.model(x, y)
+            (loss / self.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        # The global norm of the synchronised gradient, every step: it clips, and a NaN or inf anywhere shows in it.
+        norm = self.sync.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip else math.inf)
+        skipped = False
+        if cfg.nonfinite == "skip" and not torch.isfinite(norm).item():  # like GradScaler: one read per step
+            skipped = True
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._sync_device()
-        dt = time.perf_counter() - t0
+        end = self._timer.start()
         self.step += 1
-        return {"step": step, "time_s": dt, "loss": (loss_sum / self.grad_accum).item(), "lr": lr,
-                "tokens_per_s": self.tokens_per_step / dt,
-                **({"grad_norm": grad_norm} if grad_norm is not None else {})}
+        self.tokens_seen += self.tokens_per_step
+        row = {"step": step, "start": start, "end": end, "loss": loss_sum / self.grad_accum, "lr": lr,
+               "grad_norm": norm.detach(), "skipped": skipped}
+        self._pending.append(row)
+        return row
+
+    def _flush(self) -> None:
+        """Read the pending steps' scalars (one wait for the device), stop on a non-finite value, log them."""
+        if not self._pending:
+            return
+        rows, self._pending = self._pending, []
+        for row in rows:
+            row["time_s"] = self._timer.seconds(row.pop("start"), row.pop("end"))
+            row["tokens_per_s"] = self.tokens_per_step / row["time_s"] if row["time_s"] > 0 else float("inf")
+            row["loss"], row["grad_norm"] = float(row["loss"]), float(row["grad_norm"])
+            if row.pop("skipped"):
+                row["skipped"] = True  # only skipped steps carry the flag
+            if self.cfg.nonfinite == "stop" and not (math.isfinite(row["grad_norm"]) and math.isfinite(row["loss"])):
+                self._stop_nonfinite(row)
+            self._log(row)
+
+    def _stop_nonfinite(self, row: dict) -> None:
+        # The norm is global, so every rank sees it at the same step; the losses say where it came from.
+        losses = self.group.all_gather_object(row["loss"])
+        bad = [self.group.global_rank(r) for r, v in enumerate(losses) if not math.isfinite(v)]
+        where = (f"the loss was {', '.join(f'{losses[self.group.ranks.index(r)]} on rank {r}' for r in bad)}" if bad
+                 else "every rank's loss was finite, so a gradient became non-finite in backward")
+        msg = (f"non-finite values at step {row['step']}: the global gradient norm is {row['grad_norm']} and {where}. "
+               f"The run stops here, on every rank. Lower the learning rate or check the data at that step; "
+               f"TrainConfig(nonfinite='skip') skips such steps instead (as torch's GradScaler does).")
+        if self.recorder is not None:
+            self.recorder.stop(msg, step=row["step"])
+        self._close()
+        raise NonFiniteError(msg)
+
+    def _log(self, row: dict) -> None:
+        cfg, step = self.cfg, row["step"]
+        if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+            row["loss_all_ranks"] = self._mean_over_ranks(row["loss"])  # every rank takes part
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
+            val = self.evaluate()
+            if val is not None:
+                row["val_loss"] = val
+        self.history.append(row)
+        if self.recorder is not None:
+            self.recorder.step(**row)
+        self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
 
     def fit(self, max_steps: int | None = None) -> list[dict]:
         """Train until cfg.steps (or `max_steps` more steps: fit can be called again to go on). Returns history."""
         cfg, group = self.cfg, self.group
         if self._wandb is None:  # opened on the first call, closed when the last step is done
             self._wandb = WandbLogger(cfg.wandb, cfg.wandb_project, {**asdict(cfg), "world_size": group.size},
-                                      name=cfg.run_name, is_main=Group.world().is_main)
+                                      name=cfg.run_name, is_main=Group.world().is_main, run_id=self.run_id)
             if cfg.progress and group.is_main:
                 from tqdm.auto import tqdm
-                self._bar = tqdm(total=cfg.steps, desc=cfg.run_name or "train", leave=False)
+                self._bar = tqdm(total=cfg.steps, initial=self.step, desc=cfg.run_name or "train", leave=False)
         stop = cfg.steps if max_steps is None else min(cfg.steps, self.step + max_steps)
         try:
             while self.step < stop:
-                row = self.train_step()
-                step = row["step"]
-                if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-                    row["loss_all_ranks"] = self._mean_over_ranks(row["loss"])  # every rank takes part
-                at_end = step == cfg.steps - 1
-                if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or at_end:
-                    val = self.evaluate()
-                    if val is not None:
-                        row["val_loss"] = val
-                self.history.append(row)
-                if self.recorder is not None:
-                    self.recorder.step(**row)
-                self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
-                if self._bar is not None:
-                    self._bar.update(1)
-                    self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                self.train_step()
+                if len(self._pending) >= self._flush_every or self.step == stop:
+                    self._flush()
         except BaseException:
             self._close()
             raise

@@ -172,8 +172,29 @@ def test_token_stream_state_dict_resumes_bit_exactly():
         assert all(torch.equal(e[0], g[0]) and torch.equal(e[1], g[1]) for e, g in zip(expected, got))
     with pytest.raises(ValueError, match="saved with batch_size=3 but this TokenStream has batch_size=4"):
         TokenStream(text_tokens, **{**kw, "batch_size": 4}).load_state_dict(state)
-    with pytest.raises(ValueError, match="mid-epoch.*world size 1"):
-        TokenStream(text_tokens, **{**kw, "rank": 0, "world_size": 1}).load_state_dict(state)
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_token_stream_resumes_mid_epoch_at_another_world_size_reading_every_window_once(new_world):
+    """The state is a global cursor: ranks of another world size share out the rest of the epoch."""
+    tokens, B, T = torch.arange(2000), 3, 8  # token value = position: a window is known by its first token
+    old = [TokenStream(tokens, batch_size=B, block_size=T, rank=r, world_size=2, seed=5) for r in range(2)]
+    read = []
+    for s in old:
+        read += [w for x, _ in take(s, 7) for w in (x[:, 0] // T).tolist()]
+    state = old[0].state_dict()
+    assert state == old[1].state_dict() and state["consumed"] == 7 * 2 * B  # one cursor for every rank
+    new = [TokenStream(tokens, batch_size=B, block_size=T, rank=r, world_size=new_world, seed=5)
+           for r in range(new_world)]
+    for s in new:
+        s.load_state_dict(state)
+        while s.n_windows - s.consumed >= s.step_windows:  # the rest of epoch 0
+            read += [w for x, _ in take(s, 1) for w in (x[:, 0] // T).tolist()]
+        assert s.epoch == 0
+    order = old[0]._epoch_order(0).tolist()
+    assert len(read) == len(set(read)), "a window was read twice"
+    assert sorted(read) == sorted(order[:len(read)])  # exactly the front of the epoch's order, each once
+    assert old[0].n_windows - len(read) < new_world * B  # only the tail too short for a whole step is skipped
 
 
 def test_token_stream_too_small_names_tokens_windows_and_world_size():

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.dist
 def test_lab04_trains_three_optimizers_and_records_memory(tmp_path):
     run = nd.launch("lab04_zero", nproc=2, timeout=240, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
                     args=["--model", "tiny", "--steps", "5", "--micro-batch", "4", "--seq-len", "16", "--no-progress"])
-    assert list(tmp_path.glob("lab04_zero/*.json"))  # written where we asked
+    assert list(tmp_path.glob("lab04_zero/*.jsonl"))  # written where we asked
     rec = run.results
     assert rec["lab"] == "lab04_zero" and rec["world_size"] == 2 and rec["backend"] == "gloo"
     m = rec["metrics"]

@@ -284,9 +284,10 @@ def check_subgroup(rank, W):
 def run_all(rank, W):
     out = {"adamw": {}, "muon": {}}
     for name, args in {"ring-stage2": ("auto", 2, 25.0), "torch-stage2-small-buckets": ("torch", 2, 1e-4),
-                       "ring-stage1-small-buckets": ("ring", 1, 1e-4)}.items():
+                       "ring-stage1-small-buckets": ("ring", 1, 1e-4), "shm-stage2-small-buckets": ("shm", 2, 1e-4),
+                       "shm-stage1": ("shm", 1, 25.0)}.items():
         out["adamw"][name] = check_adamw(rank, W, *args)
-    for name, args in {"ring-stage2": ("auto", 2), "torch-stage1": ("torch", 1)}.items():
+    for name, args in {"ring-stage2": ("auto", 2), "torch-stage1": ("torch", 1), "shm-stage2": ("shm", 2)}.items():
         out["muon"][name] = check_muon(rank, W, *args)
     out["combined_clip"] = check_combined_clip(rank, W)
     out["state_dict"] = check_state_dict(rank, W)

@@ -8,15 +8,24 @@ from nanodist.group import Group
 from nanodist.results import Recorder, ResultsError, load, load_all, table, validate
 
 
+def write_lines(path, record):
+    """A results file holding `record` (folded, as load() returns it), written line by line with no checks."""
+    head = {k: v for k, v in record.items() if k not in ("steps", "metrics", "complete", "stopped", "resumes")
+            and not k.startswith("_")}
+    lines = [{"kind": "header", **head}] + [{"kind": "step", **st} for st in record["steps"]]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines + [{"kind": "metrics", **record["metrics"]},
+                                                                          {"kind": "end"}]))
+
+
 def write_run(directory, lab="lab_x", world_size=1, steps=(0.5, 0.25, 0.75), host="laptop", **metrics):
     rec = Recorder(lab, config={"size": 3}, group=Group(size=world_size, ranks=tuple(range(world_size))))
     for i, t in enumerate(steps):
         rec.step(step=i, time_s=t, loss=1.0 / (i + 1))
     rec.metrics.update(metrics)
     path = rec.save(directory)
-    data = json.loads(path.read_text())
+    data = load(path)
     data["hardware"]["hostname"] = host
-    path.write_text(json.dumps(data))
+    write_lines(path, data)
     return path
 
 
@@ -25,7 +34,7 @@ def test_recorder_writes_a_valid_file_in_the_results_dir(results_dir):
     rec.step(step=0, time_s=0.1, loss=2.0)
     rec.metrics["tokens_per_s"] = 123.0
     path = rec.save()
-    assert path == results_dir / "lab_x" / f"{rec.run_id}.json"
+    assert path == results_dir / "lab_x" / f"{rec.run_id}.jsonl"
     data = load(path)
     assert data["schema_version"] == results.SCHEMA_VERSION
     assert data["config"] == {"size": 3, "path": str(results_dir)}  # made JSON-safe
@@ -55,9 +64,9 @@ def test_only_rank0_writes(results_dir):
 ])
 def test_invalid_files_name_the_file_and_field(tmp_path, mutate, message):
     path = write_run(tmp_path)
-    data = json.loads(path.read_text())
+    data = load(path)
     mutate(data)
-    path.write_text(json.dumps(data))
+    write_lines(path, data)
     with pytest.raises(ResultsError, match=message) as e:
         load(path)
     assert str(path) in str(e.value)
@@ -91,11 +100,58 @@ def test_aggregation_across_machines_and_labs(tmp_path):
     assert t.select("host")._repr_html_().count("<tr>") == 3
 
 
-def test_a_bad_file_among_good_ones_is_named(tmp_path):
-    write_run(tmp_path / "lab_x")
+def test_a_bad_file_among_good_ones_is_skipped_and_named(tmp_path):
+    """One broken file -- of this lab or another -- never hides the good ones; the warning names it."""
+    good = write_run(tmp_path / "lab_x")
     (tmp_path / "lab_x" / "broken.json").write_text("[]")
-    with pytest.raises(ResultsError, match="broken.json"):
-        load_all(roots=[tmp_path])
+    (tmp_path / "lab_y").mkdir()
+    (tmp_path / "lab_y" / "empty.jsonl").write_text("")
+    with pytest.warns(UserWarning) as caught:
+        runs = load_all(roots=[tmp_path])
+    assert [r["_path"] for r in runs] == [str(good)]
+    messages = [str(w.message) for w in caught]
+    assert any("broken.json" in m and "holds one JSON object" in m for m in messages)
+    assert any("empty.jsonl" in m and "is empty" in m for m in messages)
+    with pytest.raises(ResultsError, match="broken.json"):  # read alone, a bad file is an error naming it
+        load(tmp_path / "lab_x" / "broken.json")
+
+
+def test_results_are_appended_as_the_run_goes_and_a_resumed_run_continues_its_file(results_dir):
+    rec = Recorder("lab_x", config={"size": 3})
+    for i in range(3):
+        rec.step(step=i, time_s=0.1, loss=3.0 - i)
+    killed = load(rec.path)  # nothing saved yet: as if the process had been killed here
+    assert [st["step"] for st in killed["steps"]] == [0, 1, 2] and not killed["complete"]
+    with open(rec.path, "a") as f:  # killed in the middle of writing a line
+        f.write('{"kind": "step", "step": 3, "ti')
+    assert [st["step"] for st in load(rec.path)["steps"]] == [0, 1, 2]
+    # Resumed from a checkpoint taken after step 1: step 2 runs again, then 3 and 4.
+    again = Recorder("lab_x", config={"size": 3}, run_id=rec.run_id)
+    for i in (2, 3, 4):
+        again.step(step=i, time_s=0.2, loss=10.0 + i)
+    again.metrics["done"] = True
+    again.save()
+    data = load(again.path)
+    assert [st["step"] for st in data["steps"]] == [0, 1, 2, 3, 4]  # every step once
+    assert [st["loss"] for st in data["steps"]] == [3.0, 2.0, 12.0, 13.0, 14.0]  # the last record of each step
+    assert data["complete"] and data["resumes"] == 1 and data["metrics"] == {"done": True}
+    assert len(list(results_dir.rglob("*.jsonl"))) == 1  # one file for the run
+
+
+def test_a_run_that_stopped_itself_says_why(results_dir):
+    rec = Recorder("lab_x")
+    rec.step(step=0, time_s=0.1, loss=float("nan"))
+    rec.stop("non-finite values at step 0", step=0)
+    data = load(rec.path)
+    assert data["stopped"] == "non-finite values at step 0" and data["steps"][0]["loss"] == "nan"
+
+
+def test_the_results_folder_is_checked_before_any_work(tmp_path):
+    assert results.check_writable(tmp_path / "new") == tmp_path / "new"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ResultsError, match="cannot write results under .*file.*NANODIST_RESULTS_DIR"):
+        results.check_writable(blocker)
 
 
 def test_reference_runs_are_read_only_when_asked_for(tmp_path, monkeypatch):

@@ -43,6 +43,26 @@ def equal_worker(rank, world):
         reducer.all_reduce_(torch.zeros(5))
     except ValueError as e:
         out["error"] = str(e)
+    # reduce-scatter and all-gather (ZeRO's two halves), with and without the closing barrier
+    m = 5
+    rs = SharedMemoryAllReduce(world * m)
+    for step, fence in enumerate((True, False, True)):
+        x = torch.arange(world * m, dtype=torch.float32) * (rank + 1) + step
+        ref = torch.empty(m)
+        dist.reduce_scatter_tensor(ref, x.clone())
+        rs.mine.copy_(x)
+        got = rs.reduce_scatter_(torch.empty(m), fence=fence)
+        torch.testing.assert_close(got, ref)
+        mine = torch.full((m,), float(rank * 10 + step))
+        ref_all = torch.empty(world * m)
+        dist.all_gather_into_tensor(ref_all, mine)
+        seen = []
+        rs.all_gather_(mine, lambda rows: seen.append(rows.reshape(-1).clone()), fence=fence)
+        torch.testing.assert_close(seen[0], ref_all)
+    try:
+        rs.reduce_scatter_(torch.empty(m + 1))
+    except ValueError as e:
+        out["rs_error"] = str(e)
     return out
 
 
@@ -51,6 +71,7 @@ def test_equals_torch_all_reduce_and_leaves_no_file(world):
     before = ours_files()
     out = spawn(equal_worker, world, timeout=120)
     assert all("sums 12 torch.float32 elements on the CPU, got 5" in o["error"] for o in out)
+    assert all(f"{world} chunks of 5; got an output of 6" in o["rs_error"] for o in out)
     assert ours_files() <= before  # every file was unlinked once mapped
 
 

@@ -125,3 +125,174 @@ def test_ddp_accumulation_syncs_once_per_step_and_equals_one_process():
     assert trainer.grad_accum == 4
     for p, q in zip(params, single.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the training state
+
+def resume_worker(rank, world, parallel, save_at=3, steps=7):
+    """Train `steps` steps straight; then again, saving the state at `save_at`, a fresh Trainer loading it and
+    finishing. With dropout on, the random generators matter: a resume without them must diverge."""
+    from nanodist.optim import make_muon_optimizer
+    from nanodist.runtime import seed_everything
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    tokens = torch.tensor(tok.encode(text))
+
+    def build(seed_model=0):
+        torch.manual_seed(seed_model)
+        model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16, dropout=0.1))
+        if parallel == "ddp":
+            wrapped, opt = nd.DDP(model), torch.optim.AdamW(model.configure_param_groups(0.1), lr=1e-2)
+        else:
+            wrapped, opt = model, make_muon_optimizer(model, lr=1e-2, muon_lr=0.02)
+        train = TokenStream(tokens, batch_size=2, block_size=16, seed=0)
+        val = TokenStream(tokens, batch_size=2, block_size=16, seed=1)
+        cfg = TrainConfig(steps=steps, total_batch_tokens=2 * 16 * world * 2, micro_batch=2, seq_len=16, lr=1e-2,
+                          warmup_steps=2, progress=False, log_every=0, eval_every=2, eval_batches=2)
+        return model, Trainer(wrapped, opt, train, cfg, val_data=val)
+
+    seed_everything(123)
+    model_a, a = build()
+    a.fit()
+    seed_everything(123)
+    model_b, b = build()
+    b.fit(max_steps=save_at)
+    saved = copy.deepcopy(b.state_dict())
+    val_before = b.evaluate()
+    val_again = b.evaluate()
+    after_eval = copy.deepcopy(b.state_dict())
+    b.fit()  # the uninterrupted run, again, with an evaluation in the middle
+    seed_everything(999)  # a fresh process would start from other random states
+    model_c, c = build(seed_model=7)  # and other weights
+    c.load_state_dict(copy.deepcopy(saved))
+    c.fit()
+    seed_everything(999)
+    model_d, d = build(seed_model=7)
+    forgot = copy.deepcopy(saved)
+    forgot["rng"] = {f"rank{rank}": nd.runtime.rng_state()}  # a resume that forgets the generators
+    d.load_state_dict(forgot)
+    d.fit()
+    same = lambda m, n: all(torch.equal(p, q) for p, q in zip(m.parameters(), n.parameters()))  # noqa: E731
+    losses = lambda t: [h["loss"] for h in t.history]  # noqa: E731
+    return {"b_equals_a": same(model_a, model_b), "resumed_equal": same(model_a, model_c),
+            "forgot_rng_equal": same(model_a, model_d),
+            "resumed_losses": losses(c) == losses(a)[save_at:], "c_step": c.step, "c_tokens": c.tokens_seen,
+            "eval_changed_nothing": all(
+                torch.equal(x, y) if torch.is_tensor(x) else x == y
+                for x, y in zip(_leaves(saved), _leaves(after_eval))),
+            "val_twice": (val_before, val_again), "keys": sorted(saved), "rng_keys": sorted(saved["rng"]),
+            "data": saved["data"]["train"], "run_id_kept": c.run_id == b.run_id}
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for k in sorted(tree, key=str):
+            yield from _leaves(tree[k])
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _leaves(v)
+    else:
+        yield tree.to_local() if hasattr(tree, "to_local") else tree
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("parallel", ["ddp", "dist-muon-adamw"])
+def test_a_saved_training_state_resumes_bit_exactly(world, parallel):
+    outs = spawn(resume_worker, world, args=(parallel,), timeout=240)
+    for rank, out in enumerate(outs):
+        assert out["b_equals_a"], "the same seeds must give the same run (dropout included)"
+        assert out["resumed_equal"] and out["resumed_losses"], (rank, parallel, world)
+        assert not out["forgot_rng_equal"], "without the random generators dropout differs: the test can fail"
+        assert out["c_step"] == 7 and out["c_tokens"] == 7 * 2 * 16 * world * 2
+        assert out["eval_changed_nothing"] and out["val_twice"][0] == out["val_twice"][1]
+        assert out["keys"] == ["config", "data", "model", "optimizer", "rng", "run_id", "scheduler",
+                               "skipped_steps", "step", "tokens_seen", "world_size"]
+        assert out["rng_keys"] == [f"rank{rank}"]  # per-rank values carry the rank in their key
+        assert out["data"]["consumed"] == 3 * 2 * 2 * world  # a global cursor: 3 steps x 2 micro x B 2 x W
+        assert out["run_id_kept"]
+
+
+def fsdp2_worker(rank, world):
+    """torch FSDP2 (fully_shard on a CPU mesh) driven by the Trainer with 2 micro-steps: the sync is off on the
+    first (set_requires_gradient_sync), and the result equals one process on the whole batch."""
+    from torch.distributed.fsdp import fully_shard
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16))
+    mesh = nd.Group.world().device_mesh  # built on the CPU explicitly
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    calls = []
+    original = model.set_requires_gradient_sync
+    model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag), original(flag, **kw))[1]
+    stream = TokenStream(torch.tensor(tok.encode(text)), batch_size=2, block_size=16, shuffle=False)
+    cfg = TrainConfig(steps=3, total_batch_tokens=8 * 16, micro_batch=2, seq_len=16, progress=False, log_every=0,
+                      warmup_steps=1, grad_clip=0.5)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), stream, cfg)
+    hist = trainer.fit()
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return trainer.grad_accum, calls, full, [h["grad_norm"] for h in hist]
+
+
+@pytest.mark.dist
+def test_the_trainer_accumulates_with_torch_fsdp2_like_one_big_batch():
+    (accum, calls, params, norms), _ = spawn(fsdp2_worker, 2, timeout=180)
+    assert accum == 2 and calls == [False, True] * 3  # no sync on the first micro-step of each step
+    single, stream = tiny_setup(2)
+    cfg = TrainConfig(steps=3, total_batch_tokens=8 * 16, micro_batch=2, seq_len=16, progress=False, log_every=0,
+                      warmup_steps=1, grad_clip=0.5)
+    trainer = Trainer(single, torch.optim.SGD(single.parameters(), lr=0.5), stream, cfg)
+    hist = trainer.fit()
+    assert norms == pytest.approx([h["grad_norm"] for h in hist], rel=1e-5)  # the clipped norm is global
+    for p, q in zip(params, single.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def nonfinite_worker(rank, world, mode, results_dir):
+    os.environ["NANODIST_RESULTS_DIR"] = results_dir
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16))
+    forward = model.forward
+    calls = {"n": 0}
+
+    def poisoned(x, y):  # rank 1's loss turns NaN on its 4th micro-batch (step 3)
+        calls["n"] += 1
+        logits, loss = forward(x, y)
+        return logits, loss * float("nan") if rank == 1 and calls["n"] == 4 else loss
+
+    model.forward = poisoned
+    stream = TokenStream(torch.tensor(tok.encode(text)), batch_size=2, block_size=16, seed=0)
+    cfg = TrainConfig(steps=6, micro_batch=2, seq_len=16, progress=False, log_every=0, nonfinite=mode)
+    rec = nd.Recorder("test_nonfinite")
+    trainer = Trainer(nd.DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-3), stream, cfg, recorder=rec)
+    try:
+        trainer.fit()
+        error = None
+    except nd.train.NonFiniteError as e:
+        error = str(e)
+    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    return {"error": error, "step": trainer.step, "skipped": trainer.skipped_steps, "finite": bool(finite),
+            "path": str(rec.path), "history": [(h["step"], h.get("skipped", False)) for h in trainer.history]}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_nan_on_one_rank_stops_every_rank_or_is_skipped(tmp_path, mode):
+    outs = spawn(nonfinite_worker, 2, args=(mode, str(tmp_path)), timeout=180)
+    if mode == "stop":
+        for out in outs:  # every rank stops at the same step, with the same message naming rank 1
+            assert out["error"] == outs[0]["error"] and "non-finite values at step 3" in out["error"]
+            assert "nan on rank 1" in out["error"] and "nonfinite='skip'" in out["error"]
+            assert out["step"] == 4 and [s for s, _ in out["history"]] == [0, 1, 2]
+        from nanodist.results import load
+        record = load(outs[0]["path"])
+        assert "non-finite values at step 3" in record["stopped"] and len(record["steps"]) == 3
+    else:
+        for out in outs:
+            assert out["error"] is None and out["step"] == 6 and out["skipped"] == 1 and out["finite"]
+            assert [s for s, skipped in out["history"] if skipped] == [3]

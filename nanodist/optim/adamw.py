@@ -42,19 +42,26 @@ def init_state(chunk_shape: tuple, like: torch.Tensor) -> dict:
 
 
 def update(group: dict, items: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
-    """torch.optim.AdamW's single-tensor update. items: (state, averaged gradient slice, parameter slice), flat
-    views of the same elements."""
+    """torch.optim.AdamW's update, operation for operation, on every slice of a param group at once (foreach
+    kernels: a handful of calls per group, not per parameter). items: (state, averaged gradient slice, parameter
+    slice), flat views of the same elements."""
+    if not items:
+        return
     beta1, beta2 = group["betas"]
     lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-    for state, grad, param in items:
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        state["step"] += 1
-        step = state["step"].item()
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)  # decoupled weight decay: not part of the gradient
-        exp_avg.lerp_(grad, 1 - beta1)  # m = beta1 m + (1 - beta1) g
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # v = beta2 v + (1 - beta2) g^2
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2 = 1 - beta2 ** step
-        denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    states, grads, params = (list(x) for x in zip(*items))
+    exp_avgs, exp_avg_sqs = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
+    steps = [st["step"] for st in states]
+    torch._foreach_add_(steps, 1)
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)  # decoupled weight decay: not part of the gradient
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # m = beta1 m + (1 - beta1) g
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)  # v = beta2 v + (1 - beta2) g^2
+    counts = [s.item() for s in steps]  # step counters live on the CPU, as torch's do: no device wait
+    bias_correction1 = [1 - beta1 ** k for k in counts]
+    bias_correction2_sqrt = [(1 - beta2 ** k) ** 0.5 for k in counts]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / b for b in bias_correction1])

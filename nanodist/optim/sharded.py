@@ -51,7 +51,7 @@ from . import adamw as _adamw
 from . import muon as _muon
 
 KINDS = {"adamw": _adamw, "muon": _muon}
-COLLECTIVES = ("auto", "ring", "torch")
+COLLECTIVES = ("auto", "ring", "torch", "shm")
 RESHARD_HINT = "resharding arrives with the checkpointing chapter"
 
 
@@ -87,7 +87,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     - zero_stage: 2 (default) or 1 (see above). Stage 3, sharded parameters, is the FSDP chapter.
     - bucket_cap_mb: gradients travel in buckets of about this size.
     - collectives: "auto" (nanodist's ring reduce-scatter/all-gather on gloo, which moves half the bytes of
-      gloo's own reduce-scatter; torch's async ones on nccl), "ring" or "torch".
+      gloo's own reduce-scatter; torch's async ones on nccl), "ring", "torch", or "shm": through shared
+      memory, for CPU ranks on one machine (nanodist.shm; where it cannot be used, the ring, with a warning).
 
     Implements the Trainer's protocol (nanodist.parallel): set_requires_gradient_sync and clip_grad_norm_.
     `max_grad_norm`, when set, makes step() clip by the global norm of the averaged gradient itself.
@@ -116,11 +117,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # gloo's reduce_scatter_tensor is an all-reduce in disguise (each rank moves the whole buffer both
         # ways) and our ring (chapter 2) moves half as much, so on gloo the ring wins even though it is
         # synchronous. On nccl torch's collectives are native rings and asynchronous: we use them there.
-        self.use_ring = collectives == "ring" or (collectives == "auto" and self.backend == "gloo")
+        self.use_ring = collectives in ("ring", "shm") or (collectives == "auto" and self.backend == "gloo")
+        self.collectives = collectives
         self.max_grad_norm: float | None = None
         self.last_grad_norm: float | None = None
-        self.recorded: list[dict] | None = None
-        self._record = False
+        self.recorded: list[dict] | None = None  # what record_next_step() kept of the last recorded step
+        self._pipeline: PipelineRecorder | None = None
         self._engine: GradSync | None = None
         self._plan_key = None
         super().__init__(params, {})
@@ -182,6 +184,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._engine.remove()
         W = self.world_size
         self._params = params
+        self._flat = [p.detach().view(-1) for p in params]  # flat views: the pieces are runs of these
         self._group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self._names = [self._param_name(g, j) for g, group in enumerate(self.param_groups)
                        for j in range(len(group["params"]))]
@@ -218,6 +221,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             buckets.append(b)
             pieces += mine
         self._buckets = buckets
+        if self.collectives == "shm" and W > 1:
+            self._attach_shared_memory()
         self._local_by_param = {}
         for pc in pieces:
             if pc.rank == self.rank:
@@ -229,6 +234,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                 observer=getattr(self, "_observer", None))
         self._plan_key = key
         return self._engine
+
+    def _attach_shared_memory(self) -> None:
+        """A shared-memory region per bucket (collective); where that cannot be, every rank falls back together."""
+        from ..runtime import get_logger
+        from ..shm import SharedMemoryAllReduce
+        if {b.device.type for b in self._buckets} != {"cpu"} or self.group.comm_device.type != "cpu":
+            raise ValueError(f"{type(self).__name__}(collectives='shm') reduces CPU tensors: the parameters must be "
+                             f"on the CPU and the backend gloo")
+        try:
+            for b in self._buckets:
+                b.extra["shm"] = SharedMemoryAllReduce(b.numel, b.dtype, self.group)
+            # The agreement (one flag per parameter, and the squared norm): each rank writes its row, one barrier,
+            # everyone adds up the rows. No closing barriers anywhere: a step runs reduce-scatter -> agreement ->
+            # all-gather -> (next backward) reduce-scatter, and each of them has a barrier after its writes, so
+            # between one operation's reads and the next write to the same memory there is always a barrier.
+            self._shm_agree = SharedMemoryAllReduce(len(self._params) + 1, torch.float64, self.group)
+        except (ValueError, OSError) as e:  # raised on every rank alike
+            for b in self._buckets:
+                b.extra.pop("shm", None)
+            self._shm_agree = None
+            get_logger().warning(f"{type(self).__name__}: shared memory unavailable, using the ring ({e})")
+
+    @property
+    def transport(self) -> str:
+        """How the gradients travel: "shared memory", "the process group", or "none" (a world of one)."""
+        if self.world_size == 1:
+            return "none"
+        return "shared memory" if any("shm" in b.extra for b in self._buckets) else "the process group"
 
     def local_pieces(self) -> list[Piece]:
         """The pieces this rank updates (and keeps optimizer state for)."""
@@ -255,14 +288,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, and "
                                        f"{self._names[i]} has one (nn.Embedding(sparse=True)): use sparse=False")
                 self._had_grad[i] = True
-        if self._record:
-            for i in b.params:
-                self.recorded[i]["grad"] = None if grads[i] is None else grads[i].detach().clone()
-        send = torch.zeros(W, row, dtype=b.dtype, device=self._comm_device(b))
+        if self._pipeline is not None:
+            self._pipeline.packed(b.params, grads)
+        shm = b.extra.get("shm")
+        # With shared memory the gradients go straight into this rank's row (padding stays zero from the start).
+        send = shm.mine.view(W, row) if shm is not None else torch.zeros(W, row, dtype=b.dtype,
+                                                                          device=self._comm_device(b))
         b.pack(send.view(-1), grads)
-        b.extra["send"] = send
         if self.zero_stage == 1:
+            if shm is not None:
+                b.extra["send"] = shm.all_reduce_().view(W, row).clone()
+                return DONE
+            b.extra["send"] = send
             return all_reduce_sum(send, self.group)
+        b.extra["send"] = send
         for i in b.params:  # ZeRO-2: the full gradient is not kept; only this rank's reduced row will be
             self._params[i].grad = None
         shard = b.extra.get("shard")
@@ -271,6 +310,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # A shard not yet consumed by step() (another backward without a step in between) is added to.
         out = torch.empty_like(shard) if b.extra.get("pending") else shard
         b.extra["out"] = out
+        if shm is not None:
+            shm.reduce_scatter_(out, fence=False)  # see _attach_shared_memory: the next barrier fences it
+            return DONE
         return reduce_scatter_sum(out, send, self.group, self.use_ring)
 
     def _finish(self, missing: list[int]) -> None:
@@ -317,7 +359,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 mine = b.extra["shard"] if self.zero_stage == 2 else b.extra["send"][self.rank]
                 sq += torch.linalg.vector_norm(mine, dtype=torch.float64).to(agree.device) ** 2
             agree[-1] = sq
-        if self.world_size > 1:
+        shm = getattr(self, "_shm_agree", None)
+        if shm is not None:
+            shm.mine.copy_(agree)
+            dist.barrier(group=self.group.pg)  # every row written; no closing barrier: see _attach_shared_memory
+            agree = shm.rows[:self.world_size].sum(0)
+        elif self.world_size > 1:
             dist.all_reduce(agree, group=self.group.pg)
         values = agree.tolist()
         norm = coef = None
@@ -361,8 +408,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if work is not None:
                 work.wait()
                 self._copy_gathered(b, has_grad)
-        if self._record:
-            self._finish_record()
+        if self._pipeline is not None:
+            self.recorded, self._pipeline = self._pipeline.finished(self._params), None
         self._consumed()
         return loss
 
@@ -381,26 +428,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 continue
             p = self._params[pc.param]
             kind = self.param_groups[pc.group]["kind"]
-            grad, param = shard[pc.offset:pc.offset + pc.numel], p.view(-1)[pc.start:pc.start + pc.numel]
+            grad, param = shard[pc.offset:pc.offset + pc.numel], self._flat[pc.param][pc.start:pc.start + pc.numel]
             state = self.state[p]
             if not state:  # lazily, like torch: state exists only for parameters that were stepped
                 state.update(self._init_state(p, kind))
             if kind == "muon":
                 grad, param = grad.view(p.shape), param.view(p.shape)
             by_group.setdefault(pc.group, []).append((state, grad, param))
-            if self._record:
-                self.recorded[pc.param].update(piece=(pc.start, pc.numel), grad_shard=grad.reshape(-1).clone())
+            if self._pipeline is not None:
+                self._pipeline.reduced(pc, grad)
         for g, items in by_group.items():
             KINDS[self.param_groups[g]["kind"]].update(self.param_groups[g], items)
         if self.world_size == 1:
             return None
-        # The updated pieces travel back in the row their gradients came in.
+        # The updated pieces travel back in the row their gradients came in (one foreach copy for all of them).
         out = shard if self.zero_stage == 2 else torch.empty_like(shard)
-        for pc in b.extra["local"]:
-            if pc.numel:
-                out[pc.offset:pc.offset + pc.numel].copy_(self._params[pc.param].view(-1)[pc.start:pc.start + pc.numel])
+        mine_pieces = [pc for pc in b.extra["local"] if pc.numel]
+        if mine_pieces:
+            torch._foreach_copy_([out[pc.offset:pc.offset + pc.numel] for pc in mine_pieces],
+                                 [self._flat[pc.param][pc.start:pc.start + pc.numel] for pc in mine_pieces])
         if out.device != mine.device:
             out = out.to(mine.device)
+        shm = b.extra.get("shm")
+        if shm is not None:  # synchronous: the other ranks' pieces are copied out of the shared row right here
+            shm.all_gather_(out, lambda rows: self._copy_gathered(b, has_grad, rows), fence=False)
+            return None
         gathered = torch.empty(self.world_size, b.extra["row"], dtype=b.dtype, device=mine.device)
         b.extra["gathered"] = gathered
         return all_gather(gathered, out, self.group, self.use_ring)
@@ -416,12 +468,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             p.grad.view(-1)[s.start:s.start + s.numel].copy_(flat[s.offset:s.offset + s.numel])
 
-    def _copy_gathered(self, b: Bucket, has_grad: list[bool]) -> None:
-        flat, row = b.extra.pop("gathered").view(-1), b.extra["row"]
-        for pc in b.extra["pieces"]:
-            if pc.rank != self.rank and pc.numel and has_grad[pc.param]:
-                at = pc.rank * row + pc.offset
-                self._params[pc.param].view(-1)[pc.start:pc.start + pc.numel].copy_(flat[at:at + pc.numel])
+    def _copy_gathered(self, b: Bucket, has_grad: list[bool], rows: torch.Tensor | None = None) -> None:
+        rows = b.extra.pop("gathered") if rows is None else rows
+        flat, row = rows.reshape(-1), b.extra["row"]
+        theirs = [pc for pc in b.extra["pieces"] if pc.rank != self.rank and pc.numel and has_grad[pc.param]]
+        if theirs:
+            torch._foreach_copy_([self._flat[pc.param][pc.start:pc.start + pc.numel] for pc in theirs],
+                                 [flat[pc.rank * row + pc.offset:pc.rank * row + pc.offset + pc.numel] for pc in theirs])
 
     def _init_state(self, p: torch.Tensor, kind: str) -> dict:
         if kind == "muon":
@@ -451,29 +504,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------- recording, memory
 
     def record_next_step(self) -> None:
-        """Keep, for the next step only, what the pipeline did to every parameter on this rank.
-
-        Afterwards `recorded` is a list (one dict per parameter): name, shape, `grad` (this rank's local
-        gradient before the reduction), `piece` ((start, numel) of the slice this rank updates, or None),
-        `grad_shard` (that slice of the averaged gradient), `updated_shard` (the slice after the update) and
-        `param` (the whole parameter after the all-gather). For drawing the pipeline. Call it before the
-        backward whose gradients are to be recorded (or before step() when gradients are set by hand).
-        """
+        """Keep, for the next step only, what the pipeline does to every parameter on this rank (a
+        PipelineRecorder, for drawing chapter 4's figure); afterwards `recorded` holds it. Call it before the
+        backward whose gradients are to be recorded (or before step() when gradients are set by hand)."""
         self._plan()
-        self._record = True
-        self.recorded = [{"index": i, "name": self._names[i], "shape": tuple(p.shape), "rank": self.rank,
-                          "world_size": self.world_size, "grad": None if p.grad is None else p.grad.detach().clone(),
-                          "piece": None, "grad_shard": None, "updated_shard": None, "param": None}
-                         for i, p in enumerate(self._params)]
-
-    def _finish_record(self) -> None:
-        for e in self.recorded:
-            p = self._params[e["index"]]
-            if e["piece"] is not None:
-                a, n = e["piece"]
-                e["updated_shard"] = p.detach().view(-1)[a:a + n].clone()
-            e["param"] = p.detach().clone()
-        self._record = False
+        self._pipeline = PipelineRecorder(self._names, self._params, self.rank, self.world_size)
 
     def observe(self, observer) -> None:
         """Attach a nanodist.sync.Observer (e.g. BucketTimeline) to the gradient hooks; None detaches it."""
@@ -581,6 +616,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
+
+
+class PipelineRecorder:
+    """What one ZeRO step did to every parameter on this rank: an observer the optimizer calls at three points
+    only while one is attached (record_next_step), so an unrecorded step pays one `is None` test per piece.
+
+    finished() returns one dict per parameter: name, shape, `grad` (this rank's local gradient before the
+    reduction), `piece` ((start, numel) of the slice this rank updates, or None), `grad_shard` (that slice of the
+    averaged gradient), `updated_shard` (the slice after the update) and `param` (the whole parameter after the
+    all-gather).
+    """
+
+    def __init__(self, names: list[str], params: list[torch.Tensor], rank: int, world_size: int):
+        self.entries = [{"index": i, "name": names[i], "shape": tuple(p.shape), "rank": rank, "world_size": world_size,
+                         "grad": None if p.grad is None else p.grad.detach().clone(), "piece": None,
+                         "grad_shard": None, "updated_shard": None, "param": None} for i, p in enumerate(params)]
+
+    def packed(self, indices: list[int], grads: list[torch.Tensor | None]) -> None:
+        for i in indices:
+            self.entries[i]["grad"] = None if grads[i] is None else grads[i].detach().clone()
+
+    def reduced(self, piece: Piece, grad: torch.Tensor) -> None:
+        self.entries[piece.param].update(piece=(piece.start, piece.numel), grad_shard=grad.reshape(-1).clone())
+
+    def finished(self, params: list[torch.Tensor]) -> list[dict]:
+        for e in self.entries:
+            p = params[e["index"]]
+            if e["piece"] is not None:
+                a, n = e["piece"]
+                e["updated_shard"] = p.detach().view(-1)[a:a + n].clone()
+            e["param"] = p.detach().clone()
+        return self.entries
 
 
 class DistAdamW(ShardedOptimizer):

@@ -1,0 +1,114 @@
+"""How the Trainer talks to whatever averages the gradients: one small protocol, and adapters for torch's wrappers.
+
+    sync = gradient_sync(model, optimizer, group)
+    sync.set_requires_gradient_sync(False)      # accumulation micro-steps: backward only adds up p.grad
+    sync.set_requires_gradient_sync(True)       # the last micro-step: this backward synchronises
+    norm = sync.clip_grad_norm_(1.0)            # the global norm of the synchronised gradient, then clipped
+
+Who averages the gradients differs by chapter: a DDP wrapper around the model (nanodist's or torch's,
+chapter 3), the optimizer itself (ZeRO, chapter 4), or FSDP (chapter 5: nanodist's or torch's
+`fully_shard`). nanodist's DDP and ShardedOptimizer implement the two methods themselves. torch's DDP
+and FSDP2 get a thin adapter, and a world of one needs nothing. Anything else is an error, so a
+gradient sync that would silently run on every micro-step, or not at all, is not possible.
+
+Who clips: whoever sees the synchronised gradient. Under DDP every rank holds the whole averaged
+gradient, so the global norm is a local computation. A ZeRO optimizer or FSDP holds shards: the norm
+needs a sum of squares over the ranks, which they fold into a collective they already run.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .group import Group
+
+
+@runtime_checkable
+class GradientSync(Protocol):
+    """What the Trainer needs from the piece that synchronises gradients."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: the next backward only accumulates p.grad locally. True: it synchronises."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the synchronised gradient to max_norm by its global norm; return that norm (before clipping).
+        Collective where the gradient is sharded: every rank calls it."""
+
+
+def _local_clip(params, max_norm: float) -> torch.Tensor:
+    # Under replicated gradients the norm is the same on every rank. An infinite max_norm measures without clipping.
+    return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+
+
+class _TorchDDP:
+    """torch.nn.parallel.DistributedDataParallel: its no_sync() flips require_backward_grad_sync."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        self.model.require_backward_grad_sync = bool(requires_gradient_sync)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return _local_clip(self.model.parameters(), max_norm)
+
+
+class _FSDP2:
+    """torch's fully_shard: it has set_requires_gradient_sync; the norm of DTensor gradients is global."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        self.model.set_requires_gradient_sync(bool(requires_gradient_sync))
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        norm = _local_clip(self.model.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+class _Alone:
+    """A world of one: nothing to synchronise."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        pass
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return _local_clip(self.model.parameters(), max_norm)
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model: nn.Module, optimizer, group=None) -> GradientSync:
+    """The object that synchronises this model's gradients: the model (nanodist DDP/FSDP), the optimizer (ZeRO),
+    an adapter for torch DDP or FSDP2, or nothing at all in a world of one. Raises ValueError when two things
+    would synchronise (DDP around a model whose optimizer averages too) or nothing would on several ranks."""
+    group = Group.resolve(group)
+    own = [x for x in (model, optimizer) if isinstance(x, GradientSync) and not _is_fsdp2(x)]
+    if len(own) == 2:
+        raise ValueError(f"both the model ({type(model).__name__}) and the optimizer ({type(optimizer).__name__}) "
+                         f"average the gradients: a sharded optimizer does it itself, so give it the bare model "
+                         f"(no DDP wrapper)")
+    if own:
+        return own[0]
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return _TorchDDP(model)
+    if _is_fsdp2(model):
+        return _FSDP2(model)
+    if group.size == 1:
+        return _Alone(model)
+    raise ValueError(
+        f"nothing averages the gradients over the {group.size} ranks: {type(model).__name__} is not wrapped and "
+        f"{type(optimizer).__name__} does not average them. Wrap the model (nanodist.DDP, torch DDP, fully_shard) "
+        f"or use a sharded optimizer (nanodist.DistAdamW, make_muon_optimizer).")
