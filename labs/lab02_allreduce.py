@@ -34,7 +34,9 @@ from tqdm import tqdm
 
 import nanodist
 from nanodist import collectives, costmodel
-from nanodist.results import Recorder
+from nanodist.bench import time_calls
+from nanodist.costmodel import busbw_factor
+from nanodist.results import Recorder, ResultsError, check_writable
 
 # torch >= 2.13 renamed these two (same operation); use whichever this torch has, without warnings.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -53,11 +55,6 @@ OPS = {
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 RATIO_SIZE = 32 * 2**20  # the size the two benchmark ratios are read at (or the nearest one swept)
-
-
-def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor: the fraction of S that crosses each rank's link, per the optimal algorithm."""
-    return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
 
 
 def parse_bytes(text: str) -> int:
@@ -100,30 +97,6 @@ def get_args(argv=None):
 def sizes(lo: int, hi: int) -> list[int]:
     """Powers of two from lo to hi (both rounded to the power of two at or below them)."""
     return [2**k for k in range(int(math.log2(lo)), int(math.log2(hi)) + 1)]
-
-
-def timed(fns: dict, repeats: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
-    """Per-repeat wall time of each fn, each the max over ranks (a collective is as slow as its slowest rank).
-
-    The fns take turns within every repeat, so a burst of background load (other programs on a laptop)
-    slows them all alike instead of skewing the comparison against whichever ran at that moment.
-    """
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync()
-            dist.barrier()  # start together, so one rank's lateness is not billed to the collective
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    t = torch.tensor(list(times.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(times, t.tolist()))
 
 
 # ----------------------------------------------------------------------------- --demo
@@ -237,6 +210,10 @@ def run_demo(info, rec: Recorder) -> None:
 
 def main():
     args = get_args()
+    try:
+        check_writable()  # before any work: a lab always gets to write its results
+    except ResultsError as e:
+        sys.exit(f"lab02_allreduce.py: error: {e}")
     info = nanodist.init(seed=args.seed)
     n, dev, dtype = info.world_size, info.device, DTYPES[args.dtype]
     rec = Recorder("lab02_allreduce", config=vars(args))
@@ -256,7 +233,7 @@ def main():
         big = torch.randn(numel, device=dev).to(dtype)  # shared by every op at this size
         small = torch.randn(numel // n, device=dev).to(dtype)
         calls = {op: (lambda call=OPS[op][1]: call(big, small)) for op in args.ops}
-        for op, times in timed(calls, args.repeats, args.warmup, dev).items():
+        for op, times in time_calls(calls, args.repeats, args.warmup).items():
             collective, t = OPS[op][0], statistics.median(times)
             algbw = nbytes / t / 1e9
             rows.append({"op": op, "collective": collective, "algorithm": costmodel.ALIASES.get(op, op),
@@ -274,7 +251,7 @@ def main():
     # The physical reference: how fast this device copies memory (bytes copied per second).
     src = torch.randn(max(1, args.max_bytes // elem), device=dev).to(dtype)
     dst = torch.empty_like(src)
-    copy_t = statistics.median(timed({"memcpy": lambda: dst.copy_(src)}, args.repeats, args.warmup, dev)["memcpy"])
+    copy_t = statistics.median(time_calls({"memcpy": lambda: dst.copy_(src)}, args.repeats, args.warmup)["memcpy"])
     memcpy = {"size_bytes": src.numel() * elem, "time_s": copy_t, "GBps": src.numel() * elem / copy_t / 1e9}
     rec.metrics.update(sweep=rows, memcpy=memcpy, memcpy_GBps=memcpy["GBps"])
 

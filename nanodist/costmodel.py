@@ -60,6 +60,13 @@ ALIASES = {
 }
 
 
+def busbw_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor: the fraction of a collective's S bytes that crosses each rank's link under
+    the optimal algorithm -- 2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and all-gather. busbw = algbw x it."""
+    n = world_size
+    return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
 def _canonical(algorithm: str) -> str:
     name = ALIASES.get(algorithm, algorithm)
     if name not in ALGORITHMS:
@@ -206,3 +213,20 @@ def fit_results(record: dict, ops=None, min_bytes: float = 0) -> dict[str, CostM
         models[op] = fit([s for s, _ in pts], [t for _, t in pts], op, record["world_size"],
                          backend=record.get("backend", "unknown"), device=record.get("device", "unknown"))
     return models
+
+
+def data_parallel_speedup(step_s: float, comm_s: float, world_size: int, scaling: str) -> float:
+    """Speedup of N data-parallel ranks over one, when the gradient all-reduce (comm_s, at this world size) does
+    not overlap the compute (step_s: one rank's step time). A lower bound: overlap can only make it better.
+
+        weak scaling (each rank keeps its batch, N x the work per step):   N x step_s / (step_s + comm_s)
+        strong scaling (the total batch is split, 1/N of the work each):   step_s / (step_s / N + comm_s)
+    """
+    if scaling not in ("weak", "strong"):
+        raise ValueError(f"scaling must be 'weak' or 'strong', got {scaling!r}")
+    if world_size < 1 or step_s <= 0 or comm_s < 0:
+        raise ValueError(f"need world_size >= 1, step_s > 0 and comm_s >= 0, got {world_size}, {step_s}, {comm_s}")
+    comm = comm_s if world_size > 1 else 0.0
+    if scaling == "weak":
+        return world_size * step_s / (step_s + comm)
+    return step_s / (step_s / world_size + comm)

@@ -62,6 +62,16 @@ def optimizer_bytes_per_param(optimizer: str = "adamw", state_bytes: int = 4, ma
     return per[optimizer.lower()] * state_bytes + master_bytes
 
 
+def muon_adamw_state_bytes(num_params: int, num_muon: int, world_size: int = 1, state_bytes: int = 4) -> float:
+    """Optimizer-state bytes per rank when num_muon of num_params parameters are Muon's (one momentum each) and
+    the rest AdamW's (two moments each), sharded over world_size ranks (ZeRO stage >= 1; an even deal)."""
+    if not 0 <= num_muon <= num_params or world_size < 1:
+        raise ValueError(f"need 0 <= num_muon <= num_params and world_size >= 1, got {num_muon}, {num_params}, "
+                         f"{world_size}")
+    return (optimizer_bytes_per_param("muon", state_bytes) * num_muon
+            + optimizer_bytes_per_param("adamw", state_bytes) * (num_params - num_muon)) / world_size
+
+
 def zero_memory_bytes(num_params: int, world_size: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
                       optim_bytes_per_param: float = 12) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state at a ZeRO stage (0-3), and their total.

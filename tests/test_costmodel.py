@@ -129,3 +129,14 @@ def test_crossover_ignores_per_byte_costs_equal_up_to_rounding():
     a = CostModel.from_link("ring_all_reduce", latency_s=1e-4, bandwidth_GBps=1.6)
     b = CostModel.from_link("ring_all_reduce", latency_s=2e-4, bandwidth_GBps=1.6 * (1 + 1e-15))
     assert crossover_size(a, b, world_size=2) is None  # not a crossover at ~1e15 bytes
+
+
+def test_data_parallel_speedup_without_overlap():
+    from nanodist.costmodel import data_parallel_speedup
+    assert data_parallel_speedup(0.1, 0.05, 1, "weak") == 1.0 == data_parallel_speedup(0.1, 0.05, 1, "strong")
+    assert data_parallel_speedup(0.1, 0.0, 4, "weak") == pytest.approx(4.0)  # free communication: linear
+    assert data_parallel_speedup(0.1, 0.0, 4, "strong") == pytest.approx(4.0)
+    assert data_parallel_speedup(0.1, 0.1, 2, "weak") == pytest.approx(1.0)  # 2 x work in 2 x time
+    assert data_parallel_speedup(0.1, 0.05, 2, "strong") == pytest.approx(0.1 / 0.1)
+    with pytest.raises(ValueError, match="scaling must be 'weak' or 'strong'"):
+        data_parallel_speedup(0.1, 0.1, 2, "diagonal")

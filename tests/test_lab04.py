@@ -33,8 +33,9 @@ def test_lab04_trains_three_optimizers_and_records_memory(tmp_path):
     assert m["ratio_step_time_dist_adamw_vs_ddp_adamw"] > 0
     assert m["formula_fp32_adamw"]["stage2"]["grads"] == pytest.approx(4 * n / 2)
     out = run.output
-    assert "ratio DistAdamW/DDP+AdamW step time:" in out and "(target <= 1.10)" in out
-    assert "ratio optimizer-state bytes per rank DistAdamW/AdamW:" in out and "(target <= 0.52)" in out
+    assert "ratio DistAdamW/DDP+AdamW step time:" in out
+    assert "ratio optimizer-state bytes per rank DistAdamW/AdamW:" in out
+    assert "target" not in out  # the issue tracker's targets are not the reader's business
     assert len(rec["steps"]) == 5
 
 

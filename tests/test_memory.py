@@ -199,3 +199,11 @@ def test_memory_calculator_reacts_to_its_controls():
     assert "14.0" in html.value
     with pytest.raises(ValueError):
         memory_calculator(7e9, stage=5)
+
+
+def test_muon_adamw_state_bytes():
+    from nanodist.memory import muon_adamw_state_bytes
+    assert muon_adamw_state_bytes(100, 0) == 800 and muon_adamw_state_bytes(100, 100) == 400
+    assert muon_adamw_state_bytes(100, 40, world_size=4) == (4 * 40 + 8 * 60) / 4
+    with pytest.raises(ValueError, match="num_muon <= num_params"):
+        muon_adamw_state_bytes(10, 11)

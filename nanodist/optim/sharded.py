@@ -294,7 +294,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # With shared memory the gradients go straight into this rank's row (padding stays zero from the start).
         send = shm.mine.view(W, row) if shm is not None else torch.zeros(W, row, dtype=b.dtype,
                                                                           device=self._comm_device(b))
-        b.pack(send.view(-1), grads)
+        self._pack(b, send, grads)
         if self.zero_stage == 1:
             if shm is not None:
                 b.extra["send"] = shm.all_reduce_().view(W, row).clone()
@@ -314,6 +314,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
             shm.reduce_scatter_(out, fence=False)  # see _attach_shared_memory: the next barrier fences it
             return DONE
         return reduce_scatter_sum(out, send, self.group, self.use_ring)
+
+    def _blocks(self, b: Bucket) -> list[tuple]:
+        """How each of this bucket's parameters travels: ("rows", i, offset, size) when its slices fill a
+        (world_size, size) block of the buffer -- one strided view moves all of them -- else ("slots", i, slots)."""
+        if "blocks" not in b.extra:
+            W, blocks = self.world_size, []
+            by_param: dict[int, list[Slot]] = {}
+            for slot in b.slots:
+                by_param.setdefault(slot.param, []).append(slot)
+            kinds = {pc.param: self.param_groups[pc.group]["kind"] for pc in b.extra["pieces"]}
+            for i in b.params:
+                n, slots = self._params[i].numel(), by_param.get(i, [])
+                if kinds.get(i) == "adamw" and n % W == 0 and len(slots) == W:
+                    blocks.append(("rows", i, slots[0].offset, n // W))
+                else:
+                    blocks.append(("slots", i, slots))
+            b.extra["blocks"] = blocks
+        return b.extra["blocks"]
+
+    def _pack(self, b: Bucket, send: torch.Tensor, grads: list) -> None:
+        """Copy the bucket's gradients into their places in the (world_size, row) buffer, in one foreach call."""
+        flat, dst, src = send.view(-1), [], []
+        for block in self._blocks(b):
+            g = grads[block[1]]
+            if block[0] == "rows":
+                _, i, offset, size = block
+                view = send[:, offset:offset + size]
+                if g is None:
+                    view.zero_()
+                else:
+                    dst.append(view)
+                    src.append(g.reshape(self.world_size, size))
+            else:
+                for slot in block[2]:
+                    view = flat[slot.offset:slot.offset + slot.numel]
+                    if g is None:
+                        view.zero_()
+                    else:
+                        dst.append(view)
+                        src.append(g.reshape(-1)[slot.start:slot.start + slot.numel])
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def _finish(self, missing: list[int]) -> None:
         """Every bucket's reduction is in: turn sums into averages (stage 2: into the shard kept; stage 1: into
@@ -422,6 +464,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if coef is not None and self.zero_stage == 2:
             mine.mul_(coef)
         shard = mine if mine.device == b.device else mine.to(b.device)
+        # The (state, gradient, parameter) views of this rank's pieces, by param group: the same every step while
+        # the shard buffer and the set of stepped parameters stay the same, so they are built once and reused.
+        key = (shard.data_ptr(), tuple(has_grad[pc.param] for pc in b.extra["local"]))
+        cached = b.extra.get("items")
+        if cached is not None and cached[0] == key and self._pipeline is None:
+            by_group = cached[1]
+        else:
+            by_group = self._update_items(b, shard, has_grad)
+            b.extra["items"] = (key, by_group)
+        for g, items in by_group.items():
+            KINDS[self.param_groups[g]["kind"]].update(self.param_groups[g], items)
+        if self.world_size == 1:
+            return None
+        # The updated pieces travel back in the row their gradients came in (one foreach copy for all of them).
+        out = shard if self.zero_stage == 2 else torch.empty_like(shard)
+        copies = b.extra.get("copy_out")
+        if copies is None or copies[0] != out.data_ptr():
+            pieces = [pc for pc in b.extra["local"] if pc.numel]
+            copies = (out.data_ptr(), [out[pc.offset:pc.offset + pc.numel] for pc in pieces],
+                      [self._flat[pc.param][pc.start:pc.start + pc.numel] for pc in pieces])
+            b.extra["copy_out"] = copies
+        if copies[1]:
+            torch._foreach_copy_(copies[1], copies[2])
+        if out.device != mine.device:
+            out = out.to(mine.device)
+        shm = b.extra.get("shm")
+        if shm is not None:  # synchronous: the other ranks' pieces are copied out of the shared row right here
+            shm.all_gather_(out, lambda rows: self._copy_gathered(b, has_grad, rows), fence=False)
+            return None
+        gathered = torch.empty(self.world_size, b.extra["row"], dtype=b.dtype, device=mine.device)
+        b.extra["gathered"] = gathered
+        return all_gather(gathered, out, self.group, self.use_ring)
+
+    def _update_items(self, b: Bucket, shard: torch.Tensor, has_grad: list[bool]) -> dict[int, list]:
         by_group: dict[int, list] = {}
         for pc in b.extra["local"]:
             if not has_grad[pc.param]:
@@ -437,25 +513,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             by_group.setdefault(pc.group, []).append((state, grad, param))
             if self._pipeline is not None:
                 self._pipeline.reduced(pc, grad)
-        for g, items in by_group.items():
-            KINDS[self.param_groups[g]["kind"]].update(self.param_groups[g], items)
-        if self.world_size == 1:
-            return None
-        # The updated pieces travel back in the row their gradients came in (one foreach copy for all of them).
-        out = shard if self.zero_stage == 2 else torch.empty_like(shard)
-        mine_pieces = [pc for pc in b.extra["local"] if pc.numel]
-        if mine_pieces:
-            torch._foreach_copy_([out[pc.offset:pc.offset + pc.numel] for pc in mine_pieces],
-                                 [self._flat[pc.param][pc.start:pc.start + pc.numel] for pc in mine_pieces])
-        if out.device != mine.device:
-            out = out.to(mine.device)
-        shm = b.extra.get("shm")
-        if shm is not None:  # synchronous: the other ranks' pieces are copied out of the shared row right here
-            shm.all_gather_(out, lambda rows: self._copy_gathered(b, has_grad, rows), fence=False)
-            return None
-        gathered = torch.empty(self.world_size, b.extra["row"], dtype=b.dtype, device=mine.device)
-        b.extra["gathered"] = gathered
-        return all_gather(gathered, out, self.group, self.use_ring)
+        return by_group
 
     def _write_back_grads(self, b: Bucket, has_grad: list[bool]) -> None:
         """Stage 1: every p.grad becomes the whole averaged gradient (None where no rank had one)."""
@@ -471,10 +529,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _copy_gathered(self, b: Bucket, has_grad: list[bool], rows: torch.Tensor | None = None) -> None:
         rows = b.extra.pop("gathered") if rows is None else rows
         flat, row = rows.reshape(-1), b.extra["row"]
-        theirs = [pc for pc in b.extra["pieces"] if pc.rank != self.rank and pc.numel and has_grad[pc.param]]
-        if theirs:
-            torch._foreach_copy_([self._flat[pc.param][pc.start:pc.start + pc.numel] for pc in theirs],
-                                 [flat[pc.rank * row + pc.offset:pc.rank * row + pc.offset + pc.numel] for pc in theirs])
+        dst, src = [], []
+        for block in self._blocks(b):
+            i = block[1]
+            if not has_grad[i]:
+                continue
+            if block[0] == "rows":  # every rank's slice at once (this rank's own comes back unchanged)
+                _, i, offset, size = block
+                dst.append(self._flat[i].view(self.world_size, size))
+                src.append(rows[:, offset:offset + size])
+            else:
+                for slot in block[2]:
+                    if slot.offset // row != self.rank:
+                        at = slot.offset
+                        dst.append(self._flat[i][slot.start:slot.start + slot.numel])
+                        src.append(flat[at:at + slot.numel])
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def _init_state(self, p: torch.Tensor, kind: str) -> dict:
         if kind == "muon":
@@ -592,6 +663,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             new_state[p] = {k: self._local(v, p, kind, k) for k, v in state_dict["state"][key].items()}
         self.state.clear()
         self.state.update(new_state)
+        for b in self._buckets:
+            b.extra.pop("items", None)  # the cached update views point at the old state
         for mine, saved in zip(self.param_groups, groups):
             for k, v in saved.items():
                 if k not in ("params", "param_names"):

@@ -1,0 +1,270 @@
+"""From a lab's flags to a training run: checked flags, then model, data, wrapper, optimizer, Trainer, recorder.
+
+    parser = argparse.ArgumentParser(); experiment.add_arguments(parser)
+    args = parser.parse_args()
+    info = experiment.start(parser, args)          # every flag checked, results folder writable, then init()
+    data = experiment.load_data(args)              # corpus -> tokenizer -> tokens, once per lab
+    run = experiment.build(args, data, info.group, wrapper="nanodist", optimizer="adamw", name="nanodist")
+    run.trainer.fit()
+
+Every training lab trains the same GPT from the same seeded weights on the same data; what differs is
+who averages the gradients (`wrapper`) and with which optimizer. Building that in one place keeps the
+labs short, and makes the comparison fair by construction.
+
+Wrappers: "single" (a world of one: this rank alone, no communication), "nanodist" (nanodist.DDP,
+through shared memory on CPU ranks of one machine unless --shared-memory off), "nanodist-pg"
+(nanodist.DDP through the process group, like torch), "torch" (torch's DDP), "naive" (NaiveDDP), and
+"none" (the bare model: the optimizer averages, ZeRO). Optimizers: "adamw" (torch.optim.AdamW),
+"dist-adamw" (DistAdamW), "dist-muon" (make_muon_optimizer: Muon for matrices, AdamW for the rest).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import results, runtime
+from .data import CharTokenizer, TokenStream, load_corpus, train_val_split
+from .ddp import DDP, NaiveDDP
+from .group import Group
+from .memory import measure_memory
+from .model import GPT, PRESETS, GPTConfig
+from .optim import DistAdamW, make_muon_optimizer
+from .train import TrainConfig, Trainer, autocast, grad_accum_steps
+
+WRAPPERS = ("single", "nanodist", "nanodist-pg", "torch", "naive", "none")
+OPTIMIZERS = ("adamw", "dist-adamw", "dist-muon")
+WARMUP_STEPS = 3  # excluded from step times: the first steps pay for allocation and thread start-up
+
+
+# ----------------------------------------------------------------------------- flags, checked in one place
+
+def add_arguments(p: argparse.ArgumentParser, *, steps: int = 50, total_batch_help: str | None = None) -> None:
+    """The flags every training lab shares."""
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps per run")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--total-batch", type=int, default=None, help=total_batch_help or
+                   "tokens per optimizer step (default: micro-batch x seq-len x ranks, no accumulation)")
+    p.add_argument("--model", choices=list(PRESETS), default="small", help="a nanodist.model preset")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (DDP and ZeRO)")
+    p.add_argument("--shared-memory", choices=["auto", "on", "off"], default="auto",
+                   help="nanodist's gradient reduction through shared memory (auto: when every rank is a CPU "
+                        "process on this machine); torch DDP and nanodist-pg always use the process group")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per rank (default 1, as torchrun sets: a 1-rank run then compares fairly)")
+    p.add_argument("--data", default=None, help="a UTF-8 text file to train on (default: the built-in corpus)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wandb", action="store_true", help="log to Weights & Biases from rank 0 (offline unless logged in)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+
+
+def check_positive(args, names: list[str], what: str = "a positive integer", integer: bool = True) -> str | None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        ok = (value >= 1) if integer else (math.isfinite(value) and value > 0)
+        if not ok:
+            return f"--{name.replace('_', '-')} must be {what}, got {value}"
+    return None
+
+
+def check_args(args, world_size: int, min_steps: int = WARMUP_STEPS + 1) -> str | None:
+    """Every shared flag against what it must be, before any work: a one-line message saying what is wrong and
+    what to do, or None. Sizes are checked against the world size the run will have, and the data against
+    both of its splits."""
+    problem = (check_positive(args, ["steps", "micro_batch", "seq_len", "threads"])
+               or check_positive(args, ["total_batch"], "a positive number of tokens")
+               or check_positive(args, ["lr", "bucket_mb"], "a positive finite number", integer=False))
+    if problem:
+        return problem
+    if args.steps < min_steps:
+        why = f" (the first {WARMUP_STEPS} are warm-up, not timed)" if min_steps > 1 else ""
+        return f"--steps must be more than {min_steps - 1}{why}"
+    try:
+        grad_accum_steps(total_batch(args, world_size), args.micro_batch, args.seq_len, world_size)
+        text = load_corpus(args.data)
+    except (ValueError, OSError) as e:
+        return str(e)
+    tokens = len(text)
+    train, val = int(tokens * 0.9), tokens - int(tokens * 0.9)
+    need = args.micro_batch * world_size * args.seq_len + 1  # one batch for every rank
+    for name, n in (("training split (the first 90 %)", train), ("validation split (the last 10 %)", val)):
+        if n < need:
+            return (f"token stream too small: the text's {name} has {n} tokens, but one batch on {world_size} "
+                    f"rank(s) needs "
+                    f"{args.micro_batch} x {world_size} x {args.seq_len} + 1 = {need}: use a text of at least "
+                    f"{math.ceil(need / (0.1 if 'validation' in name else 0.9))} characters, or a smaller "
+                    f"--micro-batch or --seq-len")
+    return None
+
+
+def start(parser: argparse.ArgumentParser, args, *, min_steps: int = WARMUP_STEPS + 1,
+          extra_check=None) -> runtime.DistInfo:
+    """Check the flags and the results folder before any process group starts (a bad flag costs nothing and
+    prints one line), then nanodist.init(). `extra_check(args, world_size)` adds a lab's own checks."""
+    env = runtime.read_env()
+    world = env["world_size"] if env else 1
+    problem = check_args(args, world, min_steps) or (extra_check(args, world) if extra_check else None)
+    if problem:
+        parser.error(problem)
+    try:
+        results.check_writable()
+    except results.ResultsError as e:
+        parser.error(str(e))
+    info = runtime.init(seed=args.seed)
+    torch.set_num_threads(args.threads)
+    return info
+
+
+def total_batch(args, world_size: int) -> int | None:
+    """Tokens per optimizer step: --total-batch, or (strong scaling) 4 micro-batches so 1, 2 and 4 ranks divide
+    it, or (weak scaling and the default) one micro-batch per rank."""
+    if args.total_batch is not None:
+        return args.total_batch
+    if getattr(args, "scaling", "weak") == "strong":
+        return args.micro_batch * args.seq_len * 4
+    return None
+
+
+def use_shared_memory(args, group: Group) -> bool:
+    """--shared-memory auto: on when every rank is a CPU process on this machine (gloo would go through TCP)."""
+    if args.shared_memory != "auto":
+        return args.shared_memory == "on"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", group.size))
+    return group.device.type == "cpu" and group.size > 1 and local == group.size
+
+
+# ----------------------------------------------------------------------------- building a run
+
+@dataclass
+class Data:
+    tokens: torch.Tensor
+    vocab_size: int
+    train: torch.Tensor
+    val: torch.Tensor
+
+
+def load_data(args) -> Data:
+    """The corpus (--data or the built-in one), a character tokenizer, and the 90/10 train/validation split."""
+    text = load_corpus(args.data)
+    tok = CharTokenizer(text)
+    tokens = torch.tensor(tok.encode(text), dtype=torch.int64)
+    train, val = train_val_split(tokens)
+    return Data(tokens, tok.vocab_size, train, val)
+
+
+@dataclass
+class Run:
+    """One model in training: the bare model, what trains (wrapped or not), the optimizer, the Trainer."""
+
+    name: str
+    raw: nn.Module
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    trainer: Trainer
+    train: TokenStream
+
+
+def build_model(args, vocab_size: int, device) -> GPT:
+    """The lab's GPT from the seeded initial weights: identical for every run and on every rank."""
+    torch.manual_seed(args.seed)
+    return GPT(GPTConfig.preset(args.model, vocab_size=vocab_size, block_size=args.seq_len)).to(device)
+
+
+def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "adamw", name: str | None = None,
+          zero_stage: int | None = None, record_timeline: bool = False, recorder=None,
+          weight_decay: float = 0.1) -> Run:
+    """A Run: model (wrapped as `wrapper`), optimizer, data streams of this rank, and its Trainer."""
+    if wrapper not in WRAPPERS or optimizer not in OPTIMIZERS:
+        raise ValueError(f"wrapper must be one of {WRAPPERS} and optimizer one of {OPTIMIZERS}, got {wrapper!r}, "
+                         f"{optimizer!r}")
+    if (wrapper == "none") != optimizer.startswith("dist-"):
+        raise ValueError(f"a sharded optimizer averages the gradients itself: use wrapper='none' with "
+                         f"{optimizer!r} (and a DDP wrapper with 'adamw'), got wrapper={wrapper!r}")
+    group = Group.local(group.device) if wrapper == "single" else group
+    name = name or wrapper
+    raw = build_model(args, data.vocab_size, group.device)
+    shm = use_shared_memory(args, group)
+    model: nn.Module = raw
+    if wrapper in ("nanodist", "nanodist-pg"):
+        model = DDP(raw, bucket_cap_mb=args.bucket_mb, group=group, record_timeline=record_timeline,
+                    shared_memory=wrapper == "nanodist" and shm)
+    elif wrapper == "torch":
+        model = torch.nn.parallel.DistributedDataParallel(
+            raw, bucket_cap_mb=args.bucket_mb, process_group=group.pg,
+            device_ids=[group.device.index] if group.device.type == "cuda" else None)
+    elif wrapper == "naive":
+        model = NaiveDDP(raw, group=group)
+    zero = dict(zero_stage=zero_stage or getattr(args, "zero_stage", 2), bucket_cap_mb=args.bucket_mb,
+                collectives="shm" if shm else getattr(args, "collectives", "auto"), group=group)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(raw.configure_param_groups(weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    elif optimizer == "dist-adamw":
+        opt = DistAdamW(raw.configure_param_groups(weight_decay), lr=args.lr, betas=(0.9, 0.95), **zero)
+    else:
+        opt = make_muon_optimizer(raw, lr=args.lr, muon_lr=getattr(args, "muon_lr", 0.02),
+                                  weight_decay=weight_decay, betas=(0.9, 0.95), **zero)
+
+    def stream(tokens, seed):
+        return TokenStream(tokens, batch_size=args.micro_batch, block_size=args.seq_len, rank=group.rank,
+                           world_size=group.size, seed=seed, device=group.device)
+
+    train = stream(data.train, args.seed)
+    cfg = TrainConfig(steps=args.steps, total_batch_tokens=total_batch(args, group.size),
+                      micro_batch=args.micro_batch, seq_len=args.seq_len, lr=args.lr, warmup_steps=5,
+                      dtype=args.dtype, eval_batches=2, log_every=0, progress=False, wandb=args.wandb,
+                      run_name=f"{name}-{group.size}ranks")
+    trainer = Trainer(model, opt, train, cfg, val_data=stream(data.val, args.seed + 1), recorder=recorder,
+                      group=group)
+    return Run(name, raw, model, opt, trainer, train)
+
+
+# ----------------------------------------------------------------------------- what a run measured
+
+def summarize(run: Run) -> dict:
+    """Throughput (median over the steps after warm-up), losses, and the wrapper's transport and timeline."""
+    trainer = run.trainer
+    timed = trainer.history[WARMUP_STEPS:] or trainer.history
+    step_s = statistics.median(h["time_s"] for h in timed)
+    out = {"impl": run.name, "world_size": trainer.group.size, "grad_accum": trainer.grad_accum,
+           "tokens_per_step": trainer.tokens_per_step, "median_step_s": step_s,
+           "tokens_per_s": trainer.tokens_per_step / step_s, "losses": [round(h["loss"], 5) for h in trainer.history],
+           "val_loss": trainer.history[-1].get("val_loss") if trainer.history else None,
+           "params": sum(p.numel() for p in run.raw.parameters())}
+    if isinstance(run.model, DDP) or hasattr(run.optimizer, "transport"):
+        out["transport"] = transport(run)
+    if isinstance(run.model, DDP) and run.model.record_timeline:
+        out["timeline"] = run.model.timeline
+        out["buckets"] = [b.numel for b in run.model.buckets]
+    return out
+
+
+def transport(run: Run) -> str:
+    """How this run's gradients travel: "shared memory", "the process group", or "none" (a world of one)."""
+    if run.trainer.group.size == 1:
+        return "none"
+    if isinstance(run.model, DDP):
+        return "shared memory" if run.model.shared_memory else "the process group"
+    return getattr(run.optimizer, "transport", "the process group")
+
+
+def measure_memory_step(run: Run) -> dict:
+    """One more step, measured right after optimizer.step(): parameters, gradients and state all alive."""
+    x, y = next(run.train)
+    device = run.trainer.group.device
+    with autocast(run.trainer.cfg.dtype, device):
+        _, loss = run.model(x, y)
+    loss.backward()
+    run.optimizer.step()
+    report = measure_memory(run.model, run.optimizer).to_dict()
+    run.optimizer.zero_grad(set_to_none=True)
+    return report
