@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import nanodist as nd
-from nanodist.results import Recorder
+from nanodist.results import Recorder, ResultsError, check_writable
 
 ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
@@ -29,7 +29,15 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0, help="model-init seed, identical on every rank")
     p.add_argument("--numel", type=int, default=1 << 20, help="elements in the timed all-reduce (float32)")
     p.add_argument("--repeats", type=int, default=5, help="timed all-reduces")
-    return p.parse_args()
+    args = p.parse_args()
+    for name in ("numel", "repeats"):  # checked before anything starts: a bad flag is one line, on every rank
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    try:
+        check_writable()
+    except ResultsError as e:
+        p.error(str(e))
+    return args
 
 
 def main():

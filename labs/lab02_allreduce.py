@@ -45,13 +45,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # op -> (collective, call(big, small)). `big` is the S-byte tensor, `small` one rank's S/n share.
 OPS = {
     "dist.all_reduce": ("all_reduce", lambda big, small: dist.all_reduce(big)),
-    "ring_all_reduce": ("all_reduce", lambda big, small: collectives.ring_all_reduce(big)),
-    "naive_all_reduce": ("all_reduce", lambda big, small: collectives.naive_all_reduce(big)),
-    "recursive_doubling_all_reduce": ("all_reduce", lambda big, small: collectives.recursive_doubling_all_reduce(big)),
+    "ring_all_reduce": ("all_reduce", lambda big, small: collectives.ring_all_reduce(big, check=False)),
+    "naive_all_reduce": ("all_reduce", lambda big, small: collectives.naive_all_reduce(big, check=False)),
+    "recursive_doubling_all_reduce": ("all_reduce",
+                                      lambda big, small: collectives.recursive_doubling_all_reduce(big, check=False)),
     "dist.reduce_scatter_tensor": ("reduce_scatter", lambda big, small: _reduce_scatter(small, big)),
-    "ring_reduce_scatter": ("reduce_scatter", lambda big, small: collectives.ring_reduce_scatter(small, big)),
+    "ring_reduce_scatter": ("reduce_scatter",
+                            lambda big, small: collectives.ring_reduce_scatter(small, big, check=False)),
     "dist.all_gather_into_tensor": ("all_gather", lambda big, small: _all_gather(big, small)),
-    "ring_all_gather": ("all_gather", lambda big, small: collectives.ring_all_gather(big, small)),
+    "ring_all_gather": ("all_gather", lambda big, small: collectives.ring_all_gather(big, small, check=False)),
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 RATIO_SIZE = 32 * 2**20  # the size the two benchmark ratios are read at (or the nearest one swept)
@@ -213,7 +215,8 @@ def main():
     try:
         check_writable()  # before any work: a lab always gets to write its results
     except ResultsError as e:
-        sys.exit(f"lab02_allreduce.py: error: {e}")
+        sys.stderr.write(f"lab02_allreduce.py: error: {e}\n")
+        sys.exit(2)
     info = nanodist.init(seed=args.seed)
     n, dev, dtype = info.world_size, info.device, DTYPES[args.dtype]
     rec = Recorder("lab02_allreduce", config=vars(args))
@@ -254,6 +257,18 @@ def main():
     copy_t = statistics.median(time_calls({"memcpy": lambda: dst.copy_(src)}, args.repeats, args.warmup)["memcpy"])
     memcpy = {"size_bytes": src.numel() * elem, "time_s": copy_t, "GBps": src.numel() * elem / copy_t / 1e9}
     rec.metrics.update(sweep=rows, memcpy=memcpy, memcpy_GBps=memcpy["GBps"])
+
+    # What nanodist's collective metadata check (on by default) costs: the ring all-reduce with and without it,
+    # at the smallest, a middle and the largest size swept.
+    if n > 1 and "ring_all_reduce" in args.ops:
+        rec.metrics["check_cost"] = []
+        for size in sorted({swept[0], swept[len(swept) // 2], swept[-1]}):
+            t = torch.randn(max(n, size // elem // n * n), device=dev).to(dtype)
+            times = time_calls({"unchecked": lambda: collectives.ring_all_reduce(t, check=False),
+                                "checked": lambda: collectives.ring_all_reduce(t, check=True)}, args.repeats, args.warmup)
+            off, on = statistics.median(times["unchecked"]), statistics.median(times["checked"])
+            rec.metrics["check_cost"].append({"size_bytes": t.numel() * elem, "time_unchecked_s": off,
+                                              "time_checked_s": on, "overhead": on / off - 1})
 
     if n > 1:
         fits = costmodel.fit_results({"metrics": {"sweep": rows}, "world_size": n, "backend": info.backend,
@@ -299,12 +314,15 @@ def report(rows, metrics, n, info):
     for op, f in metrics.get("fits", {}).items():
         print(f"fit {op:<{width}} alpha {f['alpha_s'] * 1e6:8.1f} us   bandwidth {f['bandwidth_GBps']:7.2f} GB/s   "
               f"rel. error {f['rel_rmse']:.2f}")
+    if "check_cost" in metrics:
+        print("the collective metadata check costs " + ", ".join(
+            f"{100 * c['overhead']:+.0f}% at {_size_label(c['size_bytes'])}B" for c in metrics["check_cost"])
+              + " of a ring_all_reduce")
     if "ratio_ring_all_reduce_busbw" in ratios:
-        print(f"ratio ring_all_reduce/dist.all_reduce busbw @{label}: {ratios['ratio_ring_all_reduce_busbw']:.2f} "
-              f"(target >= 0.90)")
+        print(f"ratio ring_all_reduce/dist.all_reduce busbw @{label}: {ratios['ratio_ring_all_reduce_busbw']:.2f}")
     if "ratio_ring_reduce_scatter_time" in ratios:
         print(f"ratio ring_reduce_scatter/dist.reduce_scatter_tensor time @{label}: "
-              f"{ratios['ratio_ring_reduce_scatter_time']:.2f} (target <= 0.60)")
+              f"{ratios['ratio_ring_reduce_scatter_time']:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
     nd.print0(info)
     run = nd.launch("lab01_ranks", nproc=2)   # from a notebook: torchrun, results back
 """
-from . import check, data, model
+from . import check, data, faults, model
 from .ddp import DDP, NaiveDDP
 from .group import Group, Mesh
 from .optim import DistAdamW, DistMuon

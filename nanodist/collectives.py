@@ -19,11 +19,13 @@ it on a list of per-rank buffers in one process -- that is what the book draws, 
 Reductions: op="sum" or "avg" (torch's ReduceOp.SUM / AVG work too). "avg" sums, then divides by the
 world size, like torch's gloo backend; on integer tensors it raises TypeError (torch raises too).
 
-Debugging: a rank that passes a different dtype or shape than its peers makes point-to-point code
-exchange the wrong number of bytes -- it hangs or returns garbage. With check=True (or the
-environment variable NANODIST_CHECK_COLLECTIVES=1 on every rank), the ranks first exchange a short
-description of their call and all raise CollectiveMismatch, naming what each rank passed. The check
-runs before any other validation, so one rank's bad arguments make every rank raise instead of hang.
+Checked by default: a rank that passes a different dtype, shape or op than its peers would make
+point-to-point code exchange the wrong number of bytes -- it hangs or returns garbage. So before any
+other work, the ranks exchange a short description of their call (a 256-byte all-gather, N-1 tiny
+messages) and, if they disagree, all raise CollectiveMismatch naming what each rank passed. lab02
+measures what this costs (metrics["check_cost"]: noticeable for kilobyte messages, nothing for
+megabytes); check=False, or NANODIST_CHECK_COLLECTIVES=0 on every rank, turns it off where the
+shapes hold by construction (ZeRO's buckets do).
 
 Receive buffers are kept between calls (allocating 16 MB per call costs page faults, i.e. bandwidth);
 free_buffers() releases them.
@@ -184,7 +186,7 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 def _check_enabled(check: bool | None) -> bool:
     if check is not None:
         return bool(check)
-    return os.environ.get("NANODIST_CHECK_COLLECTIVES", "0") not in ("", "0", "false", "False")
+    return os.environ.get("NANODIST_CHECK_COLLECTIVES", "1") not in ("", "0", "false", "False")
 
 
 def _describe(fn: str, op: str | None, **tensors: torch.Tensor) -> str:

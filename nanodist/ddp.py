@@ -22,10 +22,12 @@ for comparison. Both work with any initialised default process group.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .group import Group
 from .runtime import get_logger
@@ -193,6 +195,15 @@ class DDP(_SyncBase):
         self.buckets = self._build_buckets()
         self.shared_memory = shared_memory and self.world_size > 1 and self._attach_shared_memory()
         self._missing = 0  # this rank's parameters without a gradient, sent along in the last bucket
+        self.optimizer_steps = 0  # steps of the optimizers that hold these parameters (torch's global step hook)
+        ids, me = {id(p) for p in self._params}, weakref.ref(self)
+
+        def count_step(optimizer, args, kwargs):
+            ddp = me()
+            if ddp is not None and any(id(p) in ids for g in optimizer.param_groups for p in g["params"][:1]):
+                ddp.optimizer_steps += 1
+
+        self._step_hook = register_optimizer_step_post_hook(count_step)
         self._timeline = BucketTimeline() if record_timeline else None
         self._engine = GradSync(self._params, self.buckets, self._launch, self._finish,
                                 before_last=self._count_missing, observer=self._timeline,
@@ -215,11 +226,8 @@ class DDP(_SyncBase):
                 n += self._params[i].numel()
             p0 = self._params[idx[0]]
             b = Bucket(k, idx, slots, n, p0.dtype, p0.device)
-            # The last bucket carries one extra element: how many parameters got no gradient on this rank, so
-            # that after its all-reduce every rank knows whether *any* rank missed one.
-            extra = 1 if k == len(runs) - 1 else 0
-            buffer = torch.zeros(n + extra, dtype=p0.dtype, device=p0.device)
-            b.extra.update(buffer=buffer, grads=buffer[:n],
+            buffer = torch.zeros(n, dtype=p0.dtype, device=p0.device)
+            b.extra.update(buffer=buffer, grads=buffer,
                            views=[buffer[s.offset:s.offset + s.numel].view_as(self._params[s.param]) for s in slots])
             buckets.append(b)
         return buckets
@@ -261,18 +269,23 @@ class DDP(_SyncBase):
         pairs = [(v, g) for v, g in have if g is not None]
         if pairs:  # a gradient accumulated in place, already in its slot, is skipped by copy_
             torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
-        last = b.index == len(self.buckets) - 1
+        if b.index == len(self.buckets) - 1:
+            # With the last bucket, three numbers travel in a tiny all-reduce of their own (a bucket keeps torch's
+            # exact length, so its sums are bit for bit torch's): how many parameters got no gradient on this rank,
+            # and this rank's optimizer-step count and its square. Summed, they tell every rank whether *any* rank
+            # missed a gradient, and whether all ranks were at the same step (N sum(s^2) == (sum s)^2 only when
+            # every s is equal).
+            tag = float(self.optimizer_steps % 1024 + 1)
+            self._control = torch.tensor([self._missing, tag, tag * tag], dtype=torch.float64,
+                                         device=self.group.comm_device)
+            self._control_work = all_reduce_sum(self._control, self.group)
         if reducer is not None:
             # The gradients went straight into this rank's row of the shared memory; the ranks add up each
             # other's rows, and the average is copied into the bucket. Synchronous: done when this returns.
-            reducer.mine[:b.numel].mul_(1.0 / self.world_size)
-            if last:
-                reducer.mine[-1] = self._missing
+            reducer.mine.mul_(1.0 / self.world_size)
             b.extra["buffer"].copy_(reducer.all_reduce_())
             return DONE
         b.extra["grads"].mul_(1.0 / self.world_size)
-        if last:
-            b.extra["buffer"][-1] = self._missing
         return all_reduce_sum(b.extra["buffer"], self.group)
 
     def _finish(self, missing: list[int]) -> None:
@@ -286,7 +299,11 @@ class DDP(_SyncBase):
                 flags[missing] = 0
             dist.all_reduce(flags, group=self.pg)
             unused_everywhere = {i for i, f in enumerate(flags.tolist()) if f == 0}
-        anyone_missing = self.buckets[-1].extra["buffer"][-1].item() > 0  # summed counts: > 0 if any rank missed one
+        self._control_work.wait()
+        missed, tags, squares = self._control.tolist()  # summed over the ranks
+        if self.world_size * squares != tags * tags:
+            self._raise_step_drift()
+        anyone_missing = missed > 0
         if anyone_missing and not self.find_unused_parameters:
             # Every rank raises, so no rank walks on into the next step's collectives alone.
             names = [self.trainable[i][0] for i in missing]
@@ -302,6 +319,15 @@ class DDP(_SyncBase):
                     p.grad = view  # the averaged gradient lives in the bucket: no copy back
         for i in unused_everywhere:
             params[i].grad = None
+
+    def _raise_step_drift(self) -> None:
+        """The ranks averaged gradients of different optimizer steps: say which rank was where, on every rank."""
+        steps = self.group.all_gather_object(self.optimizer_steps)
+        where = ", ".join(f"rank {self.group.global_rank(r)} after {s} optimizer step(s)" for r, s in enumerate(steps))
+        raise RuntimeError(
+            f"DDP: the ranks averaged gradients from different steps ({where}): a rank ran an extra backward, or "
+            f"skipped one, so its gradients were averaged with another step's. Every rank must run the same "
+            f"backward passes between optimizer steps.")
 
     # --- hooks into _SyncBase -----------------------------------------------------------------------
 

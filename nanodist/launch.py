@@ -6,10 +6,13 @@
 What it guarantees:
 - a free loopback port per launch, so two launches never collide ("Address already in use");
 - every line the ranks print, streamed live with a `[rankN]:` prefix;
-- on failure, a LaunchError carrying the failing rank and its traceback (a notebook cell fails
+- on failure, a LaunchError naming the rank torchrun found failing first, how it ended (exit code or
+  signal) and what it said last: its traceback, or an argparse "error:" line (a notebook cell fails
   visibly — unlike `!torchrun`, whose exit status a notebook ignores);
 - on timeout, KeyboardInterrupt or any error, the whole process tree (torchrun agents and every
   worker, which torchrun starts in sessions of their own) is killed: no orphans;
+- if the process running launch dies by any signal (a kernel restart, kill, an out-of-memory kill), the
+  agents and workers die within seconds too: each agent runs under nanodist.reaper (Linux);
 - nnodes > 1 starts that many torchrun agents on this host that meet through a c10d rendezvous:
   multi-node training, on one machine.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from . import reaper as _reaper
 from .results import REPO_ROOT, load, new_run_id, results_dir
 from .runtime import free_port
 
@@ -91,19 +96,35 @@ def rank_lines(output: str) -> dict[int, list[str]]:
     return out
 
 
-def _failing_rank(output: str) -> tuple[int | None, str]:
-    """The rank torchrun names as root cause (else the first rank with a traceback) and that traceback."""
-    per_rank = rank_lines(output)
-    with_tb = [r for r, lines in per_rank.items() if any(l.startswith("Traceback") for l in lines)]
-    root = None
-    after = output.split("Root Cause", 1)
-    if len(after) == 2:
-        for line in after[1].splitlines():
+def _root_causes(output: str) -> list[dict]:
+    """Every "Root Cause" block torchrun's agents printed: rank, exit code, and the signal if one killed it."""
+    causes = []
+    for block in output.split("Root Cause")[1:]:
+        cause: dict = {}
+        for line in block.splitlines()[:12]:
             m = _ROOT_CAUSE_RANK.match(line)
-            if m:
-                root = int(m.group(1))
-                break
-    rank = root if root in with_tb else (min(with_tb, key=lambda r: _first_tb_index(output, r)) if with_tb else root)
+            if m and "rank" not in cause:
+                cause["rank"] = int(m.group(1))
+            m = re.match(r"^\s*exitcode\s*:\s*(-?\d+)", line)
+            if m and "exitcode" not in cause:
+                cause["exitcode"] = int(m.group(1))
+                sig = re.search(r"\((SIG[A-Z0-9]+)\)", line)
+                cause["signal"] = sig.group(1) if sig else None
+        if "rank" in cause:
+            causes.append(cause)
+    return causes
+
+
+def _failing_rank(output: str) -> tuple[int | None, str]:
+    """The rank torchrun names as the root cause (else the first rank with a traceback) and its traceback."""
+    per_rank = rank_lines(output)
+    causes = _root_causes(output)
+    # With several agents (nnodes > 1) the ones launch stopped report SIGTERM: the cause is the other one.
+    real = [c for c in causes if c.get("signal") != "SIGTERM"] or causes
+    rank = real[0]["rank"] if real else None
+    if rank is None:
+        with_tb = [r for r, lines in per_rank.items() if any(l.startswith("Traceback") for l in lines)]
+        rank = min(with_tb, key=lambda r: _first_tb_index(output, r)) if with_tb else None
     if rank is None or rank not in per_rank:
         return rank, ""
     lines = per_rank[rank]
@@ -111,9 +132,40 @@ def _failing_rank(output: str) -> tuple[int | None, str]:
     if not starts:
         return rank, ""
     # From the first traceback (chained ones included) to the end of what the rank printed: the exception
-    # message may span several lines. Native noise printed while the process dies is left out.
-    kept = [l for l in lines[starts[0]:] if not l.startswith(_DYING_NOISE)]
+    # message may span several lines. Native noise printed while the process dies is left out, unless it is
+    # gloo's hint that the ranks called different collectives.
+    kept = [l for l in lines[starts[0]:] if not l.startswith(_DYING_NOISE) or "mismatch" in l.lower()]
     return rank, "\n".join(kept).rstrip()
+
+
+def _last_words(lines: list[str], n: int = 3) -> list[str]:
+    """A rank's last meaningful lines: an argparse "error:" line if there is one, else its last n lines."""
+    errors = [l for l in lines if ": error: " in l]
+    if errors:
+        return errors[-1:]
+    useful = [l for l in lines if l.strip() and (not l.startswith(_DYING_NOISE) or "mismatch" in l.lower())]
+    return useful[-n:]
+
+
+def _failure_message(script: str, output: str, agent_code: int) -> tuple[str, int | None, str, int]:
+    """(message, failing rank, its traceback, its exit code) for a failed job."""
+    rank, tb = _failing_rank(output)
+    causes = [c for c in _root_causes(output) if c["rank"] == rank]
+    code = causes[0]["exitcode"] if causes else agent_code
+    sig = causes[0].get("signal") if causes else None
+    where = f"rank {rank}" if rank is not None else "a rank"
+    if sig:
+        why = f"killed by {sig} (exit code {code})"
+        if sig == "SIGKILL":
+            why += ": the kernel's out-of-memory killer, or kill -9"
+        last = _last_words(rank_lines(output).get(rank, []))
+        tail = ("\nits last lines:\n" + "\n".join(last)) if last else ""
+        return f"{script} failed on {where}: {why}{tail}", rank, tb, code
+    if tb.strip():
+        return f"{script} failed on {where} (exit code {code}): {_exception_line(tb)}\n\n{tb}", rank, tb, code
+    last = _last_words(rank_lines(output).get(rank, []))
+    said = " | ".join(last) if last else "it printed nothing; see .output"
+    return f"{script} failed on {where} (exit code {code}): {said}", rank, tb, code
 
 
 def _exception_line(traceback: str) -> str:
@@ -151,8 +203,11 @@ def _kill_tree(procs: list[psutil.Process], grace_s: float = 3.0) -> int:
 # ----------------------------------------------------------------------------- launch
 
 def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: str, args: list[str]) -> list[list]:
-    base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0",
-            "--tee=3"]
+    # Each agent runs under nanodist.reaper: if this process dies, however it dies, the reaper ends the agent,
+    # its workers and whatever they started (Linux; elsewhere the agent runs directly).
+    reaper = [sys.executable, "-m", "nanodist.reaper", "--"] if _reaper.available() else []
+    base = reaper + [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0",
+                     "--tee=3"]
     tail = [str(script), *map(str, args)]
     if nnodes == 1:
         return [base + ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}"] + tail]
@@ -168,7 +223,10 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
     Returns a LaunchResult whose `.results` is the results file rank 0 wrote (nanodist.results),
     or None if the script wrote none. Raises LaunchError (with `.rank` and `.traceback`) if any rank
     fails, LaunchTimeout after `timeout` seconds. Either way no process it started is left running.
+    `args` is a list, or a string split as a shell would ("--steps 5 --data 'my file.txt'").
     `env` adds or overrides environment variables of the ranks; `echo=False` keeps output quiet.
+    A LaunchError names the rank torchrun found failing first, how it ended (its exit code, or the signal
+    that killed it) and what it said last: its exception, or an "error:" line such as argparse's.
     """
     for name, value in (("nproc", nproc), ("nnodes", nnodes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -176,6 +234,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
     if not timeout or timeout <= 0:
         raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
     script = resolve_script(script)
+    args = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
     for attempt in range(3):
         try:
             return _launch_once(script, nproc, list(args), timeout, nnodes, env, echo, port=free_port())
@@ -277,11 +336,8 @@ def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: i
     text, elapsed = "\n".join(output), time.monotonic() - start
     returncode = next((c for c in codes if c != 0), 0)
     if returncode != 0:
-        rank, tb = _failing_rank(text)
-        where = f"rank {rank}" if rank is not None else "a rank"
-        last = _exception_line(tb) if tb.strip() else "(no traceback printed; see .output)"
-        raise LaunchError(f"{script.name} failed on {where} (exit code {returncode}): {last}\n\n{tb}",
-                          returncode=returncode, rank=rank, traceback=tb, output=text)
+        message, rank, tb, code = _failure_message(script.name, text, returncode)
+        raise LaunchError(message, returncode=code, rank=rank, traceback=tb, output=text)
     found = sorted(Path(child_env["NANODIST_RESULTS_DIR"]).glob(f"*/{run_id}.jsonl"))
     results = load(found[0]) if found else None
     return LaunchResult(results=results, output=text, run_id=run_id, port=port, returncode=0,

@@ -17,6 +17,7 @@ import random
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,13 +211,20 @@ def set_rng_state(state: dict) -> None:
 
 
 def _timeout_s(timeout: float | None) -> float:
-    if timeout is not None:
-        return float(timeout)
-    raw = os.environ.get("NANODIST_TIMEOUT")
-    try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise DistConfigError(f"NANODIST_TIMEOUT={raw!r} is not a number of seconds") from None
+    """The timeout in seconds: the argument, else NANODIST_TIMEOUT, else 300; a positive, finite number."""
+    source = "timeout"
+    if timeout is None:
+        raw = os.environ.get("NANODIST_TIMEOUT")
+        source = f"NANODIST_TIMEOUT={raw!r}"
+        try:
+            timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise DistConfigError(f"NANODIST_TIMEOUT={raw!r} is not a number of seconds") from None
+    timeout = float(timeout)
+    if not (timeout > 0 and timeout != float("inf")):
+        raise DistConfigError(f"{source if source != 'timeout' else f'timeout={timeout!r}'} must be a positive number "
+                              f"of seconds (how long the rendezvous and each collective may wait), e.g. 300")
+    return timeout
 
 
 # ----------------------------------------------------------------------------- init / shutdown
@@ -267,20 +275,44 @@ def init(backend: str | None = None, device: str | torch.device | None = None, s
     return _info
 
 
+WAIT_NOTICE_S = 10.0  # a rank still waiting for its peers says so after this long, and every 30 s after
+
+
 def _rendezvous(backend: str, env: dict, dev: torch.device, timeout: datetime.timedelta) -> None:
     addr, port = env["master_addr"], env["master_port"]
     kwargs = dict(backend=backend, init_method="env://", timeout=timeout)
     if dev.type == "cuda":
         kwargs["device_id"] = dev  # lets nccl bind eagerly: failures show here, not at the first collective
+    joined = threading.Event()
+    start = time.monotonic()
+
+    def say_that_we_wait():  # silence for minutes looks like a hang; a line a while says what it is
+        delay = WAIT_NOTICE_S
+        while not joined.wait(delay):
+            others = env["world_size"] - 1
+            print(f"[rank {env['rank']}] still waiting for the other {others} rank(s) of the run to join at "
+                  f"MASTER_ADDR={addr} MASTER_PORT={port} ({time.monotonic() - start:.0f} s so far; giving up after "
+                  f"{timeout.total_seconds():.0f} s, NANODIST_TIMEOUT). Were all {env['world_size']} ranks started?",
+                  file=sys.stderr, flush=True)
+            delay = 30.0
+
+    threading.Thread(target=say_that_we_wait, daemon=True).start()
     try:
         dist.init_process_group(**kwargs)
     except (RuntimeError, TimeoutError, ValueError, OSError) as e:
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise DistConfigError(
+                f"rank {env['rank']} could not listen on MASTER_ADDR={addr} MASTER_PORT={port}: address in use. "
+                f"Choose another MASTER_PORT (or let nanodist.launch pick a free one)") from e
         raise DistConfigError(
             f"rank {env['rank']} could not join the process group at MASTER_ADDR={addr} MASTER_PORT={port} "
             f"within {timeout.total_seconds():.0f} s ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
             f"Check that every rank was started, that rank 0 can listen on that address and port, and that "
             f"the other hosts can reach it (firewall, MASTER_ADDR spelling)."
         ) from e
+    finally:
+        joined.set()
 
 
 def _describe_group(device, seed: int) -> DistInfo:

@@ -254,16 +254,25 @@ def _mismatch(rank, ws):
             msgs[name] = None
         except C.CollectiveMismatch as e:
             msgs[name] = str(e)
-    os.environ["NANODIST_CHECK_COLLECTIVES"] = "1"  # the environment switch turns it on without check=
+    os.environ.pop("NANODIST_CHECK_COLLECTIVES", None)  # on by default: no check= and no environment
     try:
         C.ring_reduce_scatter(torch.empty(2 + (rank == 1)), torch.ones(ws * (2 + (rank == 1))))
         msgs["env"] = None
     except C.CollectiveMismatch as e:
         msgs["env"] = str(e)
+    try:  # sum on one rank and avg on another: a wrong answer everywhere, were it not for the check
+        C.ring_all_reduce(torch.ones(4), op="avg" if rank == 0 else "sum")
+        msgs["default_op"] = None
+    except C.CollectiveMismatch as e:
+        msgs["default_op"] = str(e)
     t = torch.ones(5) * (rank + 1)  # and matching calls still work with it on
     C.ring_all_reduce(t)
-    del os.environ["NANODIST_CHECK_COLLECTIVES"]
     msgs["ok_after"] = t.tolist()
+    os.environ["NANODIST_CHECK_COLLECTIVES"] = "0"  # the environment switch turns it off
+    t = torch.ones(3)
+    C.ring_all_reduce(t)
+    msgs["off"] = t.tolist()
+    del os.environ["NANODIST_CHECK_COLLECTIVES"]
     return msgs
 
 
@@ -386,6 +395,8 @@ def test_metadata_check_names_both_ranks(runs):
         assert m["one_bad"] and f"input=float32[{3 * ws + 1}]" in m["one_bad"]
         assert m["env"] and "output=float32[3]" in m["env"] and f"input=float32[{3 * ws}]" in m["env"]
         assert m["ok_after"] == [sum(range(1, ws + 1))] * 5
+        assert m["default_op"] and "op=avg" in m["default_op"] and "op=sum" in m["default_op"]  # checked by default
+        assert m["off"] == [float(ws)] * 3
 
 
 def test_trace_replays_in_simulate(runs):

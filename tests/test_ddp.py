@@ -245,3 +245,30 @@ def test_gradients_are_bit_identical_to_torch_ddp_once_its_buckets_are_rebuilt()
     # W = 3, where rounding depends on the order of the sum, every gradient is equal bit for bit.
     for unequal in spawn(bitwise_worker, 3, timeout=120):
         assert unequal[1] == [] and unequal[2] == [], unequal
+
+
+def drift_worker(rank, world):
+    torch.manual_seed(0)
+    model = nd.DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    try:
+        for step in range(4):
+            loss = model(x).sum()
+            loss.backward(retain_graph=True)
+            if step == 1:
+                nd.faults.extra_backward(loss, rank=1)  # one backward too many on rank 1 only
+            opt.step()
+            opt.zero_grad()
+        return {"error": None, "step": step}
+    except RuntimeError as e:
+        return {"error": str(e), "step": step}
+
+
+@pytest.mark.dist
+def test_ranks_whose_step_counts_drift_apart_fail_at_once_and_are_named():
+    outs = spawn(drift_worker, 2, timeout=60)
+    for out in outs:  # both ranks, at the very sync that paired different steps (not at the end of the run)
+        assert out["error"] and "averaged gradients from different steps" in out["error"]
+        assert "rank 0 after 2 optimizer step(s), rank 1 after 1 optimizer step(s)" in out["error"]
+    assert [o["step"] for o in outs] == [2, 1]

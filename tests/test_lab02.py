@@ -62,11 +62,17 @@ def test_ratios_and_fits(run):
     lines = run.lines(0)
     ar = [l for l in lines if l.startswith("ratio ring_all_reduce/")]
     rsl = [l for l in lines if l.startswith("ratio ring_reduce_scatter/")]
-    assert len(ar) == 1 and re.fullmatch(r"ratio ring_all_reduce/dist\.all_reduce busbw @16KB: \d+\.\d\d "
-                                         r"\(target >= 0\.90\)", ar[0]), ar
+    assert len(ar) == 1 and re.fullmatch(r"ratio ring_all_reduce/dist\.all_reduce busbw @16KB: \d+\.\d\d", ar[0]), ar
     assert len(rsl) == 1 and re.fullmatch(r"ratio ring_reduce_scatter/dist\.reduce_scatter_tensor time @16KB: "
-                                          r"\d+\.\d\d \(target <= 0\.60\)", rsl[0]), rsl
+                                          r"\d+\.\d\d", rsl[0]), rsl
     assert f"{m['ratio_ring_all_reduce_busbw']:.2f}" in ar[0]
+    assert not any("target" in line for line in lines)  # the issue tracker's targets are not the reader's business
+    # what the collective metadata check (on by default) costs, measured at the smallest, middle and largest size
+    cost = m["check_cost"]
+    assert [c["size_bytes"] for c in cost] == [4096, 8192, 16384]
+    assert all(c["time_checked_s"] > 0 and c["overhead"] == pytest.approx(c["time_checked_s"] / c["time_unchecked_s"] - 1)
+               for c in cost)
+    assert any(line.startswith("the collective metadata check costs ") for line in lines)
 
 
 def test_arguments():

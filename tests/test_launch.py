@@ -184,3 +184,49 @@ def test_output_parsing_finds_the_root_cause_rank():
     assert rank == 1
     assert tb.splitlines() == ["Traceback (most recent call last):", "  File \"x.py\", line 9, in <module>",
                                "KeyError: 'lr'"]
+
+
+# ----------------------------------------------------------------------------- the truth about failures
+
+def test_a_killed_rank_is_named_with_its_signal_not_the_rank_that_lost_its_peer(results_dir):
+    with pytest.raises(nd.LaunchError) as err:
+        nd.launch(SCRIPTS / "killself.py", nproc=2, timeout=120, echo=False)
+    e = err.value
+    assert e.rank == 1 and e.returncode == -9
+    assert "failed on rank 1: killed by SIGKILL (exit code -9)" in str(e) and "out-of-memory" in str(e)
+    assert "rank 1 is about to be killed by SIGKILL" in str(e)  # what the rank said last
+
+
+def test_a_labs_own_error_line_is_the_message_and_string_args_are_split(results_dir):
+    with pytest.raises(nd.LaunchError) as err:
+        nd.launch("lab03_ddp", nproc=2, args="--impl nanodist --steps 2", timeout=120, echo=False)
+    msg = str(err.value)
+    assert err.value.returncode == 2
+    assert msg.startswith("lab03_ddp.py failed on rank") and "(exit code 2)" in msg
+    assert "lab03_ddp.py: error: --steps must be more than 3" in msg
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killing_the_launching_process_leaves_no_process_behind(tmp_path, sig):
+    """What a Jupyter kernel restart, `kill` or `timeout` does to the process running launch."""
+    if not nd.reaper.available():
+        pytest.skip("needs Linux's prctl (documented limit)")
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    driver = (f"import nanodist as nd\nnd.launch({str(SCRIPTS / 'hang.py')!r}, nproc=2, timeout=300, "
+              f"env={{'PID_DIR': {str(pid_dir)!r}}}, echo=False)\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver], env={**os.environ, "NANODIST_RESULTS_DIR": str(tmp_path)})
+    try:
+        pids = wait_for_pid_files(pid_dir, 2)
+        agents = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+                  if "torch.distributed.run" in " ".join(p.cmdline())]
+        assert agents, "the agent was running"
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(alive(p) for p in pids + agents):
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [p for p in pids + agents if alive(p)] == [], "workers, their children and the agent are all gone"

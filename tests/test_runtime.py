@@ -211,3 +211,35 @@ def test_logger_prefixes_rank_and_filters(clean_env, capsys):
     log.info("hidden on rank 1")
     nd.get_logger("nanodist.test", all_ranks=True).info("shown on rank 1")
     assert capsys.readouterr().out == "[rank 0] hello\n[rank 1] shown on rank 1\n"
+
+
+def test_a_busy_port_says_address_in_use_and_what_to_do():
+    import socket
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    try:
+        proc, elapsed = _init_in_subprocess({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                             "MASTER_PORT": str(port), "NANODIST_TIMEOUT": "20"})
+    finally:
+        squatter.close()
+    assert proc.returncode != 0
+    assert f"MASTER_PORT={port}: address in use. Choose another MASTER_PORT (or let nanodist.launch" in proc.stderr
+    assert "within" not in proc.stderr.splitlines()[-1]  # not blamed on a timeout
+
+
+def test_a_rank_waiting_for_its_peers_says_so_within_ten_seconds():
+    port = free_port()
+    proc, elapsed = _init_in_subprocess({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                         "MASTER_PORT": str(port), "NANODIST_TIMEOUT": "14"})
+    assert proc.returncode != 0 and elapsed < 60
+    assert (f"[rank 0] still waiting for the other 2 rank(s) of the run to join at MASTER_ADDR=127.0.0.1 "
+            f"MASTER_PORT={port}") in proc.stderr and "giving up after 14 s" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan"])
+def test_the_timeout_must_be_positive(clean_env, value):
+    clean_env.setenv("NANODIST_TIMEOUT", value)
+    with pytest.raises(DistConfigError, match=f"NANODIST_TIMEOUT='{value}' must be a positive number of seconds"):
+        nd.init()

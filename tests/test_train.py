@@ -257,15 +257,7 @@ def nonfinite_worker(rank, world, mode, results_dir):
     tok = CharTokenizer(text)
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16))
-    forward = model.forward
-    calls = {"n": 0}
-
-    def poisoned(x, y):  # rank 1's loss turns NaN on its 4th micro-batch (step 3)
-        calls["n"] += 1
-        logits, loss = forward(x, y)
-        return logits, loss * float("nan") if rank == 1 and calls["n"] == 4 else loss
-
-    model.forward = poisoned
+    model.forward = nd.faults.nan_loss(model.forward, rank=1, call=4)  # rank 1's loss turns NaN at step 3
     stream = TokenStream(torch.tensor(tok.encode(text)), batch_size=2, block_size=16, seed=0)
     cfg = TrainConfig(steps=6, micro_batch=2, seq_len=16, progress=False, log_every=0, nonfinite=mode)
     rec = nd.Recorder("test_nonfinite")
