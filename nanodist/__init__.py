@@ -7,6 +7,7 @@
 """
 from . import check, data, faults, model
 from .ddp import DDP, NaiveDDP
+from .fsdp import FSDP
 from .group import Group, Mesh
 from .optim import DistAdamW, DistMuon
 from .launch import LaunchError, LaunchResult, LaunchTimeout, launch
@@ -17,7 +18,8 @@ from .runtime import (DistConfigError, DistInfo, dist_info, get_logger, get_rank
 __version__ = "0.1.0"
 
 __all__ = [
+    "check", "data", "faults", "model",
     "init", "shutdown", "dist_info", "DistInfo", "DistConfigError", "get_rank", "get_world_size",
     "print0", "get_logger", "seed_everything", "launch", "LaunchResult", "LaunchError", "LaunchTimeout",
-    "Recorder", "DDP", "NaiveDDP", "DistAdamW", "DistMuon", "Group", "Mesh",
+    "Recorder", "DDP", "NaiveDDP", "FSDP", "DistAdamW", "DistMuon", "Group", "Mesh",
 ]

@@ -230,3 +230,26 @@ def data_parallel_speedup(step_s: float, comm_s: float, world_size: int, scaling
     if scaling == "weak":
         return world_size * step_s / (step_s + comm)
     return step_s / (step_s / world_size + comm)
+
+
+SYNC_COLLECTIVES = {  # what each rank sends per step, in units of the model's bytes, by ring: see bytes_per_step
+    "ddp": (("all_reduce", 1),),
+    "zero1": (("all_reduce", 1), ("all_gather", 1)),
+    "zero2": (("reduce_scatter", 1), ("all_gather", 1)),
+    "fsdp": (("all_gather", 2), ("reduce_scatter", 1)),  # gathered for forward and again for backward
+    "fsdp-keep": (("all_gather", 1), ("reduce_scatter", 1)),  # reshard_after_forward=False: kept for backward
+}
+
+
+def bytes_per_step(strategy: str, model_bytes: float, world_size: int) -> float:
+    """Bytes each rank sends per optimizer step to keep `model_bytes` of parameters in sync, ring algorithms.
+
+        ddp     all-reduce the gradients                         2 (N-1)/N x model
+        zero1   all-reduce the gradients, all-gather the params  3 (N-1)/N x model
+        zero2   reduce-scatter, all-gather                        2 (N-1)/N x model
+        fsdp    all-gather twice (forward, backward), reduce-scatter  3 (N-1)/N x model: 1.5x DDP's
+        fsdp-keep  FSDP keeping the gathered units for backward   2 (N-1)/N x model
+    """
+    if strategy not in SYNC_COLLECTIVES:
+        raise ValueError(f"strategy must be one of {', '.join(SYNC_COLLECTIVES)}, got {strategy!r}")
+    return sum(times * busbw_factor(op, world_size) * model_bytes for op, times in SYNC_COLLECTIVES[strategy])

@@ -13,8 +13,9 @@ labs short, and makes the comparison fair by construction.
 
 Wrappers: "single" (a world of one: this rank alone, no communication), "nanodist" (nanodist.DDP,
 through shared memory on CPU ranks of one machine unless --shared-memory off), "nanodist-pg"
-(nanodist.DDP through the process group, like torch), "torch" (torch's DDP), "naive" (NaiveDDP), and
-"none" (the bare model: the optimizer averages, ZeRO). Optimizers: "adamw" (torch.optim.AdamW),
+(nanodist.DDP through the process group, like torch), "torch" (torch's DDP), "naive" (NaiveDDP),
+"none" (the bare model: the optimizer averages, ZeRO), "fsdp" (nanodist.FSDP, every Block a unit) and
+"fsdp2" (torch's fully_shard on every Block and the root, on a CPU or GPU mesh of the group). Optimizers: "adamw" (torch.optim.AdamW),
 "dist-adamw" (DistAdamW), "dist-muon" (make_muon_optimizer: Muon for matrices, AdamW for the rest).
 """
 from __future__ import annotations
@@ -31,13 +32,14 @@ from torch import nn
 from . import results, runtime
 from .data import CharTokenizer, TokenStream, load_corpus, train_val_split
 from .ddp import DDP, NaiveDDP
+from .fsdp import FSDP
 from .group import Group
 from .memory import measure_memory
 from .model import GPT, PRESETS, GPTConfig
 from .optim import DistAdamW, make_muon_optimizer
 from .train import TrainConfig, Trainer, autocast, grad_accum_steps
 
-WRAPPERS = ("single", "nanodist", "nanodist-pg", "torch", "naive", "none")
+WRAPPERS = ("single", "nanodist", "nanodist-pg", "torch", "naive", "none", "fsdp", "fsdp2")
 OPTIMIZERS = ("adamw", "dist-adamw", "dist-muon")
 WARMUP_STEPS = 3  # excluded from step times: the first steps pay for allocation and thread start-up
 
@@ -177,17 +179,21 @@ class Run:
 def build_model(args, vocab_size: int, device) -> GPT:
     """The lab's GPT from the seeded initial weights: identical for every run and on every rank."""
     torch.manual_seed(args.seed)
-    return GPT(GPTConfig.preset(args.model, vocab_size=vocab_size, block_size=args.seq_len)).to(device)
+    cfg = GPTConfig.preset(args.model, vocab_size=vocab_size, block_size=args.seq_len)
+    if torch.device(device).type == "meta":  # shapes only, no memory (.to("meta") would untie the embedding)
+        with torch.device("meta"):
+            return GPT(cfg)
+    return GPT(cfg).to(device)
 
 
 def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "adamw", name: str | None = None,
           zero_stage: int | None = None, record_timeline: bool = False, recorder=None,
-          weight_decay: float = 0.1) -> Run:
+          weight_decay: float = 0.1, observer=None) -> Run:
     """A Run: model (wrapped as `wrapper`), optimizer, data streams of this rank, and its Trainer."""
     if wrapper not in WRAPPERS or optimizer not in OPTIMIZERS:
         raise ValueError(f"wrapper must be one of {WRAPPERS} and optimizer one of {OPTIMIZERS}, got {wrapper!r}, "
                          f"{optimizer!r}")
-    if (wrapper == "none") != optimizer.startswith("dist-"):
+    if (wrapper == "none") != optimizer.startswith("dist-"):  # (and FSDP shards the parameters: AdamW steps them)
         raise ValueError(f"a sharded optimizer averages the gradients itself: use wrapper='none' with "
                          f"{optimizer!r} (and a DDP wrapper with 'adamw'), got wrapper={wrapper!r}")
     group = Group.local(group.device) if wrapper == "single" else group
@@ -204,10 +210,23 @@ def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "ada
             device_ids=[group.device.index] if group.device.type == "cuda" else None)
     elif wrapper == "naive":
         model = NaiveDDP(raw, group=group)
+    elif wrapper == "fsdp":
+        lp = torch.bfloat16 if getattr(args, "param_dtype", "fp32") == "bf16" else None
+        model = FSDP(raw, units=list(raw.blocks), group=group, param_dtype=lp, observer=observer,
+                     prefetch=not getattr(args, "no_prefetch", False))
+    elif wrapper == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        lp = torch.bfloat16 if getattr(args, "param_dtype", "fp32") == "bf16" else None
+        mp = MixedPrecisionPolicy(param_dtype=lp, reduce_dtype=torch.float32 if lp else None)
+        for block in raw.blocks:
+            fully_shard(block, mesh=group.device_mesh, mp_policy=mp)  # the mesh of this group, on its device
+        model = fully_shard(raw, mesh=group.device_mesh, mp_policy=mp)
+    raw.activation_checkpointing = getattr(args, "checkpointing", False)
     zero = dict(zero_stage=zero_stage or getattr(args, "zero_stage", 2), bucket_cap_mb=args.bucket_mb,
                 collectives="shm" if shm else getattr(args, "collectives", "auto"), group=group)
     if optimizer == "adamw":
-        opt = torch.optim.AdamW(raw.configure_param_groups(weight_decay), lr=args.lr, betas=(0.9, 0.95))
+        groups = (model if wrapper == "fsdp" else raw).configure_param_groups(weight_decay)
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     elif optimizer == "dist-adamw":
         opt = DistAdamW(raw.configure_param_groups(weight_decay), lr=args.lr, betas=(0.9, 0.95), **zero)
     else:
@@ -239,13 +258,20 @@ def summarize(run: Run) -> dict:
            "tokens_per_step": trainer.tokens_per_step, "median_step_s": step_s,
            "tokens_per_s": trainer.tokens_per_step / step_s, "losses": [round(h["loss"], 5) for h in trainer.history],
            "val_loss": trainer.history[-1].get("val_loss") if trainer.history else None,
-           "params": sum(p.numel() for p in run.raw.parameters())}
+           "params": num_params(run)}
     if isinstance(run.model, DDP) or hasattr(run.optimizer, "transport"):
         out["transport"] = transport(run)
     if isinstance(run.model, DDP) and run.model.record_timeline:
         out["timeline"] = run.model.timeline
         out["buckets"] = [b.numel for b in run.model.buckets]
     return out
+
+
+def num_params(run: Run) -> int:
+    """The model's parameters, counted whole (a tied one once) whatever shards them."""
+    if isinstance(run.model, FSDP):  # the bare model has handed its parameters to the units
+        return sum(unit.numel for unit in run.model.units)
+    return sum(p.numel() for p in run.raw.parameters())  # a DTensor (FSDP2) counts its global size
 
 
 def transport(run: Run) -> str:
@@ -268,3 +294,32 @@ def measure_memory_step(run: Run) -> dict:
     report = measure_memory(run.model, run.optimizer).to_dict()
     run.optimizer.zero_grad(set_to_none=True)
     return report
+
+
+def measure_peak_step(run: Run) -> dict:
+    """One more step, its memory per rank by our own accounting: the model states held throughout (params or
+    shards, optimizer state), the gradients the optimizer finds after backward, and the peak of what the step
+    allocates on top of the states (activations, gradients, gathered units, temporaries) from
+    nanodist.memory.AllocationTracker; the largest saved activations and gathered units from LiveBytes."""
+    from .memory import AllocationTracker, LiveBytes
+    x, y = next(run.train)
+    run.optimizer.zero_grad(set_to_none=True)
+    states = measure_memory(run.model, run.optimizer)
+    held = states.params + states.optimizer_state
+    alloc, live = AllocationTracker(), LiveBytes()
+    fsdp = run.model if isinstance(run.model, FSDP) else None
+    if fsdp is not None:  # FSDP's gathered buffers change size without an operation: its events tell
+        saved = fsdp.observer
+        fsdp.observer = [live] + (list(saved) if isinstance(saved, (list, tuple)) else [saved] if saved else [])
+    with alloc, live.track(), autocast(run.trainer.cfg.dtype, run.trainer.group.device):
+        _, loss = run.model(x, y)
+        loss.backward()
+        grads = measure_memory(run.model, run.optimizer).grads  # the gradients as the optimizer will find them
+        run.optimizer.step()
+    if fsdp is not None:
+        fsdp.observer = saved
+    run.optimizer.zero_grad(set_to_none=True)
+    acts = live.summary()
+    return {"held": held, "params": states.params, "grads": grads, "optimizer_state": states.optimizer_state,
+            "step_peak": alloc.peak, "peak": held + alloc.peak, "activations_max": acts["max"]["activations"],
+            "gathered_max": acts["max"]["gathered"]}

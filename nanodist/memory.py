@@ -13,7 +13,7 @@ moments (4 + 4). ZeRO partitions them over the N ranks, one more term per stage:
     stage 0 (DDP):              2 Psi + 2 Psi + K Psi        everything replicated
     stage 1 (optimizer states): 2 Psi + 2 Psi + K Psi / N    DistAdamW(zero_stage=1)
     stage 2 (+ gradients):      2 Psi + 2 Psi / N + K Psi / N    DistAdamW(zero_stage=2), the default
-    stage 3 (+ parameters):     (2 + 2 + K) Psi / N          the FSDP chapter (formula only here)
+    stage 3 (+ parameters):     (2 + 2 + K) Psi / N          nanodist.FSDP (chapter 5)
 
 The byte counts are arguments, so the same function covers other precisions and optimizers
 (`optimizer_bytes_per_param`): fp32 training without master weights is param_bytes=4, grad_bytes=4
@@ -37,9 +37,13 @@ torch.cuda.max_memory_allocated, which includes activations and temporaries.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .table import Table
 
@@ -331,3 +335,207 @@ def memory_calculator(num_params: float = 7e9, world_size: int = 8, stage: int =
             return f"memory calculator: {summary()}"
 
     return MemoryCalculator(list(controls.values()) + [result])
+
+
+# ----------------------------------------------------------------------------- memory over a step
+
+class LiveBytes:
+    """Our own account of the bytes that come and go during a step, by kind, in the order they happen.
+
+        live = LiveBytes()                                  # also an FSDP observer: FSDP(..., observer=live)
+        with live.track():                                  # saved-for-backward tensors, through autograd's hooks
+            loss = model(x, y)[1]; loss.backward()
+        live.peak, live.at_peak                             # the largest total, and what it was made of
+
+    Two kinds are counted: "activations" -- every tensor autograd saves for backward, except parameters and
+    views of them, counted once per storage while any saved reference to it is alive (added when saved, removed when backward has unpacked it for the
+    last time) -- and "gathered" -- FSDP units' full parameter buffers, between their gather and their free. What
+    a step holds throughout (parameters or shards, gradients, optimizer state) is measure_memory's business; add
+    it to get the step's peak. Temporaries inside an operation are not counted: allocated_peak() measures those
+    too, from the allocator, and the difference is the workspace of the operations.
+    """
+
+    def __init__(self):
+        self.events: list[tuple[str, int]] = []  # (kind, +/- bytes) in order
+        self._saved: dict[tuple, list] = {}  # storage -> [bytes, references alive]
+        self._gathered: dict[str, int] = {}
+        self.peak, self.at_peak = 0, {}
+
+    def _add(self, kind: str, nbytes: int) -> None:
+        self.events.append((kind, nbytes))
+
+    def _pack(self, t: torch.Tensor):
+        base = t if t._base is None else t._base
+        if base.is_leaf and base.requires_grad:  # a parameter (or a view of one, as FSDP's are): not an activation
+            return (t, None)
+        key = (t.device, t.untyped_storage().data_ptr())
+        entry = self._saved.get(key)
+        if entry is None:
+            entry = self._saved[key] = [t.untyped_storage().nbytes(), 0]
+            self._add("activations", entry[0])
+        entry[1] += 1
+        return (t, key)
+
+    def _unpack(self, packed):
+        t, key = packed
+        entry = self._saved.get(key) if key is not None else None
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:  # backward has used the last saved reference: autograd lets it go
+                self._add("activations", -entry[0])
+                del self._saved[key]
+        return t
+
+    def track(self):
+        """A context: count what autograd saves for backward inside it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # FSDP observer: a unit's full buffer is alive from the gather to the free
+    def gather_started(self, unit) -> None:
+        self._gathered[unit.name] = unit.full_bytes
+        self._add("gathered", unit.full_bytes)
+
+    def freed(self, unit) -> None:
+        self._add("gathered", -self._gathered.pop(unit.name, 0))
+
+    def gathered(self, unit) -> None: ...
+
+    def reduce_started(self, unit) -> None: ...
+
+    def reduced(self, unit) -> None: ...
+
+    def summary(self) -> dict:
+        """peak (bytes), the kinds at that moment, and the largest of each kind on its own."""
+        live, best, at, most = {"activations": 0, "gathered": 0}, 0, {}, {"activations": 0, "gathered": 0}
+        for kind, delta in self.events:
+            live[kind] += delta
+            most[kind] = max(most[kind], live[kind])
+            total = sum(live.values())
+            if total > best:
+                best, at = total, dict(live)
+        self.peak, self.at_peak = best, at
+        return {"peak": best, "at_peak": at, "max": most}
+
+
+@contextlib.contextmanager
+def allocated_peak():
+    """The allocator's view of a region: {"peak": bytes, "end": bytes} above what was allocated at its start.
+
+    On CUDA, torch.cuda.max_memory_allocated. On the CPU, which keeps no such statistic, torch's profiler
+    records the bytes every operation allocates and frees; their running sum, in time order, is the live
+    total (the profiler's own messages are kept off the terminal)."""
+    result: dict = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        yield result
+        torch.cuda.synchronize()
+        result.update(peak=torch.cuda.max_memory_allocated() - start, end=torch.cuda.memory_allocated() - start,
+                      source="torch.cuda.max_memory_allocated")
+        return
+    from torch.profiler import ProfilerActivity, profile
+    with _quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield result
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    result.update(peak=peak, end=live, source="torch.profiler (CPU allocations)")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence what native code prints on stdout/stderr (the profiler's start/stop lines) for the duration."""
+    import os
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Our own allocation accounting: every storage made during a region, from its creation to its death.
+
+        with AllocationTracker() as alloc:          # on the thread that runs the step (CPU or CUDA)
+            loss = model(x, y)[1]; loss.backward(); opt.step()
+        alloc.peak, alloc.live                      # bytes above what existed before: the most at once, and now
+
+    A dispatch mode sees the output of every operation (activations, gradients, temporaries, optimizer
+    state created lazily). An output whose storage is new -- not one of the operation's inputs, not seen
+    before -- is counted, and a weak reference to that storage says when it is freed (when the last tensor
+    viewing it goes, e.g. when backward releases what it saved). Storages that existed before the region
+    (parameters, optimizer state) are not counted even when operations write into them. Storage resizes
+    (how FSDP, ours and torch's, allocate and free a gathered unit behind the same tensor) are counted as
+    the bytes they add or release. What it cannot see: work on other threads (a backend's own staging).
+    Operations run slower while it watches: measure memory and time in separate steps.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: dict[int, list] = {}  # id(storage) -> [bytes counted, weak reference]
+        self.timeline: list[int] = []
+        self._resize = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+                storage = t.untyped_storage()
+                if id(storage) not in inputs:
+                    self._track(storage)
+        return out
+
+    def _track(self, storage) -> None:
+        key = id(storage)
+        if key in self._seen:
+            return
+        n = storage.nbytes()
+        self._seen[key] = [n, weakref.ref(storage, lambda _r, key=key: self._freed(key))]
+        self.add(n)
+
+    def _freed(self, key: int) -> None:
+        n, _ = self._seen.pop(key, (0, None))
+        self.add(-n)
+
+    def _resized(self, storage, before: int) -> None:
+        delta = storage.nbytes() - before
+        entry = self._seen.get(id(storage))
+        if entry is not None:
+            entry[0] += delta  # what its death will give back
+        self.add(delta)
+
+    def add(self, nbytes: int) -> None:
+        """Count bytes that appear (positive) or go (negative) without an operation creating a tensor."""
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self.timeline.append(self.live)
+
+    def __enter__(self):
+        original, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_(storage, size):
+            before = storage.nbytes()
+            result = original(storage, size)
+            tracker._resized(storage, before)
+            return result
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # Named sizes, so labs and notebooks say "tiny" instead of repeating five numbers.
 # tiny: 0.1 M parameters; ~100 optimizer steps/s at batch 16 x 64 tokens on 2 idle CPU cores, and its loss on
@@ -135,6 +136,9 @@ class GPT(nn.Module):
         # seed gives the same model on every rank: DDP still broadcasts rank 0's weights, but the
         # checkers in nanodist.check can then prove that nothing diverged later.
         self.apply(self._init_weights)
+        # Activation checkpointing (chapter 5): keep only each block's input for backward, and run the block's
+        # forward again when backward reaches it -- less memory, one more forward's worth of compute.
+        self.activation_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -160,8 +164,10 @@ class GPT(nn.Module):
                              f"crop the input or build the model with a larger block_size")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            # non-reentrant checkpointing: the recomputed forward sees the same random state (dropout)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:

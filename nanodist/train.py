@@ -229,8 +229,13 @@ class Trainer:
 
     # --- the state ----------------------------------------------------------------------------------
 
-    def _bare_model(self):
-        return getattr(self.model, "module", self.model)
+    def _model_for_state(self):
+        """Whose state_dict() the training state holds: torch DDP's inner module (its own keys carry a "module."
+        prefix); otherwise the model itself -- nanodist's DDP gives the bare module's names, nanodist's FSDP and
+        torch's FSDP2 give DTensors of every parameter under its original name."""
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return self.model.module
+        return self.model
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs (see ARCHITECTURE.md). Call it between steps, on every rank."""
@@ -238,13 +243,13 @@ class Trainer:
         data = self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                 "run_id": self.run_id, "world_size": self.group.size, "config": asdict(self.cfg),
-                "model": self._bare_model().state_dict(), "optimizer": self.optimizer.state_dict(),
+                "model": self._model_for_state().state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "data": {"train": data},
                 "rng": {f"rank{self.group.rank}": rng_state()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next step is exactly the one the saved run took next."""
-        self._bare_model().load_state_dict(state["model"])
+        self._model_for_state().load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["data"]["train"] is not None:

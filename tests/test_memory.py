@@ -63,7 +63,7 @@ def test_tensor_bytes_counts_a_shared_storage_once():
 
 def tiny_gpt():
     torch.manual_seed(0)
-    return GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16))  # every numel a multiple of 4
+    return GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16))  # every numel (and every FSDP unit) a multiple of 4
 
 
 def one_step(model, opt, seed=0):
@@ -87,6 +87,10 @@ def measure_all(rank, W):
         opt = DistAdamW(raw.configure_param_groups(0.1), zero_stage=stage)
         out[f"stage {stage}"] = one_step(raw, opt)
         out[f"stage {stage} pieces"] = len(opt.local_pieces())
+    raw = tiny_gpt()
+    fsdp = nd.FSDP(raw, units=list(raw.blocks))  # every block a unit, the embeddings and the final norm the root
+    out["stage 3"] = one_step(fsdp, torch.optim.AdamW(fsdp.configure_param_groups(0.1)))
+    out["stage 3 pieces"] = len(list(fsdp.parameters()))
     raw = tiny_gpt()
     out["muon"] = one_step(raw, make_muon_optimizer(raw))
     out["num_params"] = raw.num_params()
@@ -124,7 +128,7 @@ def test_measured_bytes_match_the_formulas_exactly(measured):
     W, outs = measured
     for rank, out in enumerate(outs):
         n, k = out["num_params"], out["num_tensors"]
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             m: MemoryReport = out[f"stage {stage}"]
             f = zero_memory_bytes(n, W, stage, **FP32)
             assert (m.params, m.grads) == (f["params"], f["grads"]), (stage, rank, m)
@@ -141,6 +145,7 @@ def test_stage2_keeps_a_gradient_shard_and_muon_keeps_one_momentum(measured):
     total = lambda key, what: sum(getattr(out[key], what) for out in outs)  # noqa: E731
     n, n_muon = outs[0]["num_params"], outs[0]["muon_params"]
     assert total("stage 2", "grads") == 4 * n  # the shards, together one gradient
+    assert total("stage 3", "params") == total("stage 3", "grads") == 4 * n  # FSDP: together, one model
     momentum = sum(out["muon"].optimizer_state_by_key.get("momentum_buffer", 0) for out in outs)
     assert momentum == 4 * n_muon  # each matrix's momentum on exactly one rank
     adam = sum(out["muon"].optimizer_state_by_key["exp_avg"] for out in outs)
@@ -151,9 +156,9 @@ def test_stage2_keeps_a_gradient_shard_and_muon_keeps_one_momentum(measured):
 def test_memory_table_puts_formula_next_to_measurement(measured):
     W, outs = measured
     runs = [{"label": f"stage {s}", "stage": s, "world_size": W, "rank": r, "num_params": out["num_params"],
-             **out[f"stage {s}"].to_dict()} for r, out in enumerate(outs) for s in (0, 1, 2)]
+             **out[f"stage {s}"].to_dict()} for r, out in enumerate(outs) for s in (0, 1, 2, 3)]
     table = memory_table(runs, **FP32)
-    assert len(table) == 3 * W and table.columns[:4] == ["label", "stage", "world_size", "rank"]
+    assert len(table) == 4 * W and table.columns[:4] == ["label", "stage", "world_size", "rank"]
     for row in table:
         assert row["grads_measured"] == row["grads_formula"]
         assert row["total_measured"] - row["state_scalars"] == row["total_formula"]

@@ -762,6 +762,10 @@ def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 
                         **kwargs) -> ShardedOptimizer:
     """One ShardedOptimizer: a "muon" group for the hidden matrices, "adamw" groups for the rest (weight decay
     on embeddings, none on 1-D parameters). kwargs (zero_stage, bucket_cap_mb, collectives) go to it."""
+    if type(model).__name__ == "FSDP":
+        raise ValueError("make_muon_optimizer: Muon orthogonalises whole matrices, and nanodist.FSDP keeps only a flat "
+                         "slice of each on every rank. Use AdamW (or DistAdamW's element-wise update) with FSDP, or "
+                         "DistMuon with a replicated model (DDP, ZeRO-1/2): chapter 5 explains why.")
     muon, adamw = _muon.split_params_for_muon(model, exclude)
     decay = [(n, p) for n, p in adamw if p.ndim >= 2]
     no_decay = [(n, p) for n, p in adamw if p.ndim < 2]

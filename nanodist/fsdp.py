@@ -1,0 +1,597 @@
+"""Fully sharded data parallel (ZeRO stage 3), written to be read: each rank keeps 1/N of the parameters.
+
+    model = nanodist.FSDP(GPT(cfg), units=list(model.blocks))     # every Block a unit, the rest the root
+    opt = torch.optim.AdamW(model.configure_param_groups(0.1), lr=3e-3)   # steps this rank's shards
+    loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
+
+ZeRO stages 1 and 2 (chapter 4) shard the optimizer state and the gradients; every rank still holds
+every parameter. FSDP shards the parameters too, and gathers a piece of the model only while it
+computes. The pieces are *units*: the submodules you name (a transformer Block, typically) plus the
+root, which holds whatever parameters no unit does (the embeddings, the final norm, the head).
+
+A unit's parameters live as one flat buffer, padded to a multiple of N, of which rank r keeps chunk r
+(its *shard*, fp32: the master copy). Around each unit:
+
+    forward:   all-gather the shards into the unit's full buffer  ->  run  ->  free the buffer
+    backward:  all-gather again  ->  run  ->  reduce-scatter the gradient into this rank's shard  ->  free
+
+The full buffer is a persistent tensor whose storage is allocated by the gather and released by the
+free (storage resize, as PyTorch's first FSDP does): the module's parameters are views of it, and
+the tensors autograd saved for backward find their data again once it is re-gathered. Its gradient
+arrives through a post-accumulate-grad hook of the gradient-sync engine (nanodist.sync), which
+launches each unit's reduce-scatter during backward, in a fixed order on every rank, and waits for
+all of them when backward ends -- the same machinery as DDP and the sharded optimizers.
+
+Prefetch: while unit i runs forward, unit i+1's all-gather is already on its way; in backward, unit
+i-1's while unit i runs. So at most two units are gathered at any time, besides the root (which stays
+gathered from the first forward to the end of backward, as in torch's FSDP2).
+
+The optimizer sees, for every original parameter, a Parameter that is a (possibly empty) view into
+this rank's shard, named as in the bare model: AdamW steps them, weight decay can be grouped by the
+original shapes (configure_param_groups), and their gradients are views into the reduced shard.
+Mixed precision: param_dtype (bf16) gathers and computes in bf16 from the fp32 shards; gradients are
+reduced in reduce_dtype (fp32 by default) and kept in fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .group import Group
+from .sync import Bucket, GradSync, Observer, Slot, Work, all_gather, reduce_scatter_sum
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Unit:
+    """One unit's flat parameters: the fp32 shard this rank keeps, the full buffer gathered around compute."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, slots: list[tuple], group: Group,
+                 param_dtype: torch.dtype | None, ring: bool):
+        # slots: (fqn, [(module, attribute)], parameter) for every distinct parameter of the unit, in order.
+        self.index, self.name, self.module, self.group, self.ring = index, name, module, group, ring
+        params = [p for _, _, p in slots]
+        dtypes, devices = {p.dtype for p in params}, {p.device for p in params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(f"FSDP unit {name!r} mixes {sorted(map(str, dtypes | devices))}: a unit is one flat "
+                             f"buffer, so its parameters must share a dtype and a device (convert the model first)")
+        trainable = {p.requires_grad for p in params}
+        if len(trainable) > 1:
+            frozen = [f for f, _, p in slots if not p.requires_grad]
+            raise ValueError(f"FSDP unit {name!r} mixes frozen and trainable parameters ({', '.join(frozen[:3])} "
+                             f"are frozen): freeze whole units, or make the frozen modules units of their own")
+        self.requires_grad = trainable.pop()
+        W, r = group.size, group.rank
+        self.names = [f for f, _, _ in slots]
+        self.homes = [homes for _, homes, _ in slots]
+        self.shapes = [p.shape for p in params]
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.padded = math.ceil(n / W) * W if n else W
+        self.shard_numel = self.padded // W
+        master = params[0].dtype
+        with torch.no_grad():
+            flat = torch.zeros(self.padded, dtype=master, device=params[0].device)
+            for p, o in zip(params, self.offsets):
+                flat[o:o + p.numel()].copy_(p.reshape(-1))
+            self.shard = flat[r * self.shard_numel:(r + 1) * self.shard_numel].clone()  # the fp32 master shard
+        self.compute_dtype = param_dtype or master
+        self.full = torch.empty(self.padded, dtype=self.compute_dtype, device=self.shard.device,
+                                requires_grad=self.requires_grad)  # the unit's parameters while gathered
+        self._full_data = self.full.data  # written by the gather: its own version counter, autograd's is untouched
+        self._free()
+        self.gathered = False
+        self.work: Work | None = None  # an all-gather in flight (prefetch)
+        self._send: torch.Tensor | None = None
+        # This rank's part of every parameter: [a, b) of the flat buffer, as a view into the shard.
+        lo, hi = r * self.shard_numel, (r + 1) * self.shard_numel
+        self.local = []
+        for o, p in zip(self.offsets, params):
+            a, b = max(o, lo), min(o + p.numel(), hi)
+            a, b = (a, b) if a < b else (lo, lo)
+            self.local.append((a - lo, b - lo, a - o))  # in the shard, and where in the parameter it starts
+        self.views = [nn.Parameter(self.shard[s:e], requires_grad=self.requires_grad) for s, e, _ in self.local]
+        self.grad_shard: torch.Tensor | None = None
+
+    # --- gather and free ----------------------------------------------------------------------------
+
+    def _free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def gather(self) -> None:
+        """Start the all-gather (asynchronous where the backend allows); wait() finishes it."""
+        if self.gathered or self.work is not None:
+            return
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        with torch.no_grad():
+            self._send = self.shard.to(self.compute_dtype) if self.compute_dtype != self.shard.dtype else self.shard
+            out = self._full_data.view(self.group.size, self.shard_numel)
+            self.work = all_gather(out, self._send, self.group, ring=False)
+
+    def wait(self) -> None:
+        if not self.gathered:
+            self.gather()
+            self.work.wait()
+            self.work, self._send = None, None
+            self.gathered = True
+            self._install()
+
+    def _install(self) -> None:
+        """Point the modules' parameter attributes at views of the gathered buffer (re-made at every gather). One
+        split of the buffer, not a slice per parameter: in backward, the split's gradient is one tensor for the
+        whole unit, where slices would each build a zero-filled buffer of the unit's size."""
+        sizes = [shape.numel() for shape in self.shapes] + [self.padded - self.numel]
+        for view, shape, homes in zip(torch.split(self.full, sizes), self.shapes, self.homes):
+            view = view.view(shape)
+            for module, attr in homes:
+                setattr(module, attr, view)
+
+    def free(self) -> None:
+        if self.gathered:
+            self._free()
+            self.gathered = False
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+
+class FSDP(nn.Module):
+    """ZeRO-3 over `units` (submodules of `module`; the root holds the rest). See the module docstring.
+
+    - group: the ranks that shard (default: the world).
+    - reshard_after_forward: free a unit's gathered parameters after its forward (True, ZeRO-3) or keep
+      them until its backward is done (False: more memory, one all-gather fewer, ZeRO-2-like).
+    - prefetch: gather the next unit while the current one computes, in forward and in backward.
+    - param_dtype: compute dtype (e.g. torch.bfloat16): the fp32 shards are cast before the all-gather.
+    - reduce_dtype: dtype of the gradient reduce-scatter (default: the shards' fp32; bf16 halves the bytes).
+    - collectives: "auto" (the reduce-scatter through nanodist's ring on gloo, torch's on nccl), "ring", "torch".
+    - observer: a nanodist.fsdp.FSDPTimeline (or any object with its methods, or a list of them) to record
+      gathers, frees and reduce-scatters: the chapter's figures, and nanodist.memory's accounting.
+
+    Implements the Trainer's protocol: set_requires_gradient_sync (off: backward keeps each unit's full local
+    gradient and reduces nothing) and clip_grad_norm_ (the global norm, from every rank's shard).
+    """
+
+    def __init__(self, module: nn.Module, units=(), *, group=None, reshard_after_forward: bool = True,
+                 prefetch: bool = True, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 collectives: str = "auto", observer=None):
+        super().__init__()
+        if collectives not in ("auto", "ring", "torch"):
+            raise ValueError(f"FSDP: collectives must be one of auto, ring, torch, got {collectives!r}")
+        self.module = module
+        g = Group.resolve(group)
+        self.group, self.world_size = g, g.size
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.reduce_dtype = reduce_dtype
+        self.observer = observer
+        ring = collectives == "ring" or (collectives == "auto" and g.backend == "gloo")
+        self._check_same_model()
+        unit_modules = list(units)
+        names = {id(m): n for n, m in module.named_modules()}
+        for m in unit_modules:
+            if id(m) not in names or m is module:
+                raise ValueError(f"FSDP: every unit must be a submodule of the model (not the model itself), got "
+                                 f"{type(m).__name__}")
+        owner = {}  # id(param) -> unit index; the root (index len(units)) takes what no unit holds
+        slots: list[list] = [[] for _ in range(len(unit_modules) + 1)]
+        homes: dict[int, list] = {}
+        for mname, m in module.named_modules():
+            for attr, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                homes.setdefault(id(p), []).append((m, attr))
+        for u, um in enumerate(unit_modules + [module]):
+            for mname, p in (um.named_parameters() if um is not module else module.named_parameters()):
+                if id(p) in owner:
+                    continue
+                fqn = (names[id(um)] + "." + mname) if um is not module else mname
+                # A parameter also used outside this unit (tied) must live in one unit that covers all its uses.
+                used_in = {self._unit_of(mod, unit_modules) for mod, _ in homes[id(p)]}
+                if len(used_in) > 1 and um is not module:
+                    others = [names[id(unit_modules[i])] if i is not None else "the root" for i in used_in if i != u]
+                    raise ValueError(f"FSDP: parameter {fqn!r} of unit {names[id(um)]!r} is shared with {others}: a "
+                                     f"shared parameter must belong to one unit that contains all its uses (tie it "
+                                     f"within one unit, or leave both modules to the root)")
+                owner[id(p)] = u
+                slots[u].append((fqn, homes[id(p)], p))
+        self.units: list[Unit] = []
+        for u, um in enumerate(unit_modules + [module]):
+            name = names[id(um)] or "root"
+            if slots[u]:
+                self.units.append(Unit(len(self.units), name, um, slots[u], g, param_dtype, ring))
+        # The module no longer owns its parameters: they are views of the gathered buffers (plain tensors).
+        for unit in self.units:
+            for homes_ in unit.homes:
+                for m, attr in homes_:
+                    m._parameters.pop(attr, None)
+        self._shards = nn.ParameterList([p for unit in self.units for p in unit.views])
+        self._names = [n for unit in self.units for n in unit.names]
+        self._root = self.units[-1] if self.units and self.units[-1].module is module else None
+        self._order = [u for u in self.units if u is not self._root]  # forward order of the (non-root) units
+        self._install_hooks()
+        trainable = [u for u in self.units if u.requires_grad]
+        # Backward produces the last units' gradients first, the root's (embeddings) last.
+        order = list(reversed([u for u in trainable if u is not self._root])) + \
+            ([self._root] if self._root is not None and self._root.requires_grad else [])
+        buckets = [Bucket(i, [trainable.index(u)], [Slot(trainable.index(u), 0, u.padded, 0)], u.padded,
+                          u.compute_dtype, u.shard.device) for i, u in enumerate(order)]
+        for b, u in zip(buckets, order):
+            b.extra["unit"] = u
+        self._engine = GradSync([u.full for u in trainable], buckets, self._launch_reduce, self._finish_reduce,
+                                names=[f"FSDP unit {u.name}" for u in trainable])
+        for u in trainable:  # after the engine's hook: the reduce-scatter reads the gradient first, then the params go
+            u.full.register_post_accumulate_grad_hook(lambda _p, u=u: self._after_backward(u))
+
+    # --- set-up ----------------------------------------------------------------------------------------
+
+    def _check_same_model(self) -> None:
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()]
+        everyone = self.group.all_gather_object(mine)
+        if any(theirs != everyone[0] for theirs in everyone):
+            raise ValueError("FSDP: ranks wrap different models: build the same model on every rank")
+
+    @staticmethod
+    def _unit_of(mod: nn.Module, units: list[nn.Module]) -> int | None:
+        for i, u in enumerate(units):
+            if any(m is mod for m in u.modules()):
+                return i
+        return None
+
+    def _install_hooks(self) -> None:
+        if self._root is not None:
+            self.module.register_forward_pre_hook(self._root_pre_forward)
+            self.module.register_forward_hook(self._root_post_forward)
+        for i, unit in enumerate(self._order):
+            unit.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
+            unit.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
+
+    def _event(self, what: str, unit: Unit) -> None:
+        if self.observer is not None:
+            for obs in self.observer if isinstance(self.observer, (list, tuple)) else (self.observer,):
+                getattr(obs, what)(unit)
+
+    # --- forward ------------------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self._engine.pending:  # a backward was interrupted: forget its half-finished reduction
+            self._engine.reset()
+        return self.module(*args, **kwargs)
+
+    def _gather(self, unit: Unit) -> None:
+        if not unit.gathered and unit.work is None:
+            self._event("gather_started", unit)
+            unit.gather()
+
+    def _wait(self, unit: Unit) -> None:
+        if not unit.gathered:
+            self._gather(unit)
+            unit.wait()
+            self._event("gathered", unit)
+
+    def _free(self, unit: Unit) -> None:
+        if unit.gathered:
+            unit.free()
+            self._event("freed", unit)
+
+    def _root_pre_forward(self, module, args) -> None:
+        if _in_backward():
+            return
+        self._wait(self._root)  # the root stays gathered until its gradient is reduced (or, without grad, the end)
+        if self.prefetch and self._order:
+            self._gather(self._order[0])
+
+    def _root_post_forward(self, module, args, out):
+        if _in_backward():
+            return out
+        if not torch.is_grad_enabled():
+            self._free(self._root)  # no backward will follow (evaluation): nothing to keep it for
+        elif self._root.requires_grad:  # a second backward (retain_graph) finds the root freed: gather it again
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._root_pre_backward)
+        return out
+
+    def _root_pre_backward(self, grad):
+        self._wait(self._root)
+        return grad
+
+    def _pre_forward(self, i: int) -> None:
+        unit = self._order[i]
+        self._wait(unit)
+        if self.prefetch and not _in_backward() and i + 1 < len(self._order):
+            self._gather(self._order[i + 1])
+
+    def _post_forward(self, i: int, out):
+        unit = self._order[i]
+        if _in_backward():  # activation checkpointing recomputes the forward inside backward: keep the params
+            return out
+        if torch.is_grad_enabled():  # a frozen unit too: backward needs its parameters to reach the units before it
+            first = next((t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                          if torch.is_tensor(t) and t.requires_grad), None)
+            if first is not None:
+                first.register_hook(lambda grad, i=i: self._pre_backward(i, grad))
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self._free(unit)
+        return out
+
+    # --- backward -----------------------------------------------------------------------------------
+
+    def _pre_backward(self, i: int, grad):
+        self._wait(self._order[i])
+        if self.prefetch and i > 0:
+            self._gather(self._order[i - 1])
+        return grad
+
+    def _launch_reduce(self, b: Bucket) -> Work:
+        """A unit's gradient is complete: reduce-scatter it into this rank's shard of the gradient."""
+        unit = b.extra["unit"]
+        grad = unit.full.grad
+        if grad is None:  # the unit took no part in this step on this rank: it contributes zeros
+            grad = torch.zeros(unit.padded, dtype=unit.compute_dtype, device=unit.shard.device)
+        dtype = self.reduce_dtype or unit.shard.dtype
+        send = grad if grad.dtype == dtype else grad.to(dtype)
+        out = torch.empty(unit.shard_numel, dtype=dtype, device=send.device)
+        b.extra["out"] = out
+        self._event("reduce_started", unit)
+        work = reduce_scatter_sum(out, send.view(self.world_size, unit.shard_numel), self.group, unit.ring)
+        unit.full.grad = None  # the full gradient is not kept: only this rank's shard of it
+        return work
+
+    def _after_backward(self, unit: Unit) -> None:
+        """A unit's gradient is complete (reduced or, under accumulation, kept): its parameters can go, and so can
+        those of the frozen units after it, whose backward (which only passes the gradient on) is done too."""
+        if unit is not self._root:
+            self._free(unit)
+        done = self._order if unit is self._root else self._order[self._order.index(unit) + 1:]
+        for other in done:
+            if not other.requires_grad:
+                self._free(other)
+
+    def _finish_reduce(self, missing) -> None:
+        W = self.world_size
+        for b in self._engine.buckets:
+            unit, out = b.extra["unit"], b.extra.pop("out")
+            out = out.to(unit.shard.dtype) if out.dtype != unit.shard.dtype else out
+            if W > 1:
+                out.div_(W)
+            if unit.grad_shard is None or unit.views[0].grad is None:  # the optimizer's zero_grad dropped the last one
+                unit.grad_shard = out
+                for (s, e, _), view in zip(unit.local, unit.views):
+                    view.grad = out[s:e]
+            else:  # another backward since the last step: add its gradient
+                unit.grad_shard.add_(out)
+            self._event("reduced", unit)
+        if self._root is not None:
+            self._free(self._root)
+
+    # --- the Trainer's protocol ---------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward keeps every unit's full local gradient (accumulation) and reduces nothing."""
+        self._engine.enabled = bool(requires_gradient_sync)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global norm of the averaged gradient, from every rank's shard (one small all-reduce); clips it."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.group.comm_device)
+        live = [u for u in self.units if u.grad_shard is not None and u.views[0].grad is not None]
+        for unit in live:
+            sq += torch.linalg.vector_norm(unit.grad_shard, dtype=torch.float64).to(sq.device) ** 2
+        if self.world_size > 1:
+            dist.all_reduce(sq, group=self.group.pg)
+        norm = sq.sqrt()
+        coef = float(max_norm) / (float(norm) + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
+        if coef < 1.0:
+            for unit in live:
+                unit.grad_shard.mul_(coef)
+        return norm.float()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.units:
+            unit.grad_shard = None
+            unit.full.grad = None
+            for v in unit.views:
+                v.grad = None
+
+    # --- what the optimizer and the checkpoint see ---------------------------------------------------
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's shard of every original parameter, under its original name."""
+        for name, p in zip(self._names, self._shards):
+            yield prefix + name, p
+
+    def parameters(self, recurse: bool = True):
+        for _, p in self.named_parameters():
+            yield p
+
+    def configure_param_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on the shards of matrices (original ndim >= 2), none on biases and norms: the rule of
+        GPT.configure_param_groups, decided by the original shapes (a shard is always 1-D)."""
+        shapes = {n: s for unit in self.units for n, s in zip(unit.names, unit.shapes)}
+        decay = [(n, p) for n, p in self.named_parameters() if p.requires_grad and len(shapes[n]) >= 2]
+        no_decay = [(n, p) for n, p in self.named_parameters() if p.requires_grad and len(shapes[n]) < 2]
+        return [{"params": [p for _, p in ps], "param_names": [n for n, _ in ps], "weight_decay": wd}
+                for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """Every parameter whole, under its original name (tied ones under each), on the group's rank 0 (the other
+        ranks get {}). A collective: every rank calls it. Loadable into the bare model with plain torch."""
+        out = {}
+        for unit in self.units:
+            full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+            all_gather(full.view(self.world_size, unit.shard_numel), unit.shard, self.group, ring=False).wait()
+            if self.group.is_main:
+                for name, o, shape, homes in zip(unit.names, unit.offsets, unit.shapes, unit.homes):
+                    t = full[o:o + shape.numel()].view(shape).clone()
+                    out[name] = t
+                    for m, attr in homes:  # a tied parameter under each of its names, as module.state_dict() has it
+                        alias = next((n for n, mm in self.module.named_modules() if mm is m), "")
+                        out[(alias + "." if alias else "") + attr] = t
+        return {k: out[k] for k in sorted(out)} if self.group.is_main else {}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load whole parameters (what full_state_dict() or the bare model's state_dict() holds) into the shards;
+        every rank passes the same dict (e.g. torch.load on each)."""
+        for unit in self.units:
+            self._load_whole(unit, state)
+
+    @staticmethod
+    def _load_whole(unit: Unit, state: dict) -> None:
+        for name, shape, (s, e, start) in zip(unit.names, unit.shapes, unit.local):
+            if name not in state:
+                raise KeyError(f"FSDP.load_full_state_dict: no entry for parameter {name!r}")
+            if tuple(state[name].shape) != tuple(shape):
+                raise ValueError(f"FSDP.load_full_state_dict: {name!r} has shape {tuple(state[name].shape)}, the "
+                                 f"model {tuple(shape)}")
+            unit.shard[s:e].copy_(state[name].reshape(-1)[start:start + (e - s)])
+
+    def _row_ranges(self, unit: Unit, rank: int) -> list[tuple[int, int]]:
+        """Where each parameter's dim-0 chunk for `rank` (torch.chunk's rule, DTensor Shard(0)'s) lies in the unit's
+        flat buffer."""
+        out = []
+        for o, shape in zip(unit.offsets, unit.shapes):
+            rows = shape[0] if len(shape) else 1
+            cols = shape.numel() // rows if rows else 0
+            size = math.ceil(rows / self.world_size)
+            a, b = min(rank * size, rows), min((rank + 1) * size, rows)
+            out.append((o + a * cols, o + b * cols))
+        return out
+
+    @torch.no_grad()
+    def state_dict(self, *args, **kwargs) -> dict:
+        """Every parameter by its original name, as a DTensor Shard(0) of its own shape: this rank's dim-0 chunk
+        (torch.chunk's rule) -- torch FSDP2's layout, which torch.distributed.checkpoint saves and loads at any
+        world size. The flat padded shard is a runtime layout, so the chunks are moved there with one all-to-all
+        per unit. A collective: every rank calls it. (0-D parameters come whole, on every rank.)"""
+        from torch.distributed.tensor import DTensor, Shard
+        W, r = self.world_size, self.group.rank
+        out = {}
+        for unit in self.units:
+            have = [(q * unit.shard_numel, (q + 1) * unit.shard_numel) for q in range(W)]
+            want = [self._row_ranges(unit, q) for q in range(W)]
+            pieces = exchange_ranges(unit.shard, have, want, self.group)
+            for name, shape, (a, b), piece in zip(unit.names, unit.shapes, want[r], pieces):
+                if len(shape) == 0:
+                    out[name] = self.full_tensor(unit, name).clone()
+                    continue
+                rows = (b - a) // (shape.numel() // shape[0]) if shape[0] else 0
+                local = piece.view(rows, *shape[1:])
+                out[name] = (DTensor.from_local(local, self.group.device_mesh, [Shard(0)], run_check=False,
+                                                shape=shape, stride=torch.empty(shape, device="meta").stride())
+                             if W > 1 else local)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load what state_dict() returned (DTensor chunks of this world size, as torch.distributed.checkpoint
+        hands them back) or whole tensors (full_state_dict(), the bare model's state_dict()). A collective."""
+        W, r = self.world_size, self.group.rank
+        for unit in self.units:
+            missing = [n for n in unit.names if n not in state_dict]
+            if missing and strict:
+                raise KeyError(f"FSDP.load_state_dict: no entry for {', '.join(missing[:5])}")
+            if all(not hasattr(state_dict.get(n), "to_local") for n in unit.names):
+                self._load_whole(unit, state_dict)
+                continue
+            chunks = []
+            for name, shape in zip(unit.names, unit.shapes):
+                t = state_dict[name]
+                if t.device_mesh.size() != W:
+                    raise ValueError(f"FSDP.load_state_dict: {name!r} is sharded over {t.device_mesh.size()} ranks, "
+                                     f"this run has {W}: load it through torch.distributed.checkpoint, which reshards")
+                chunks.append(t.to_local().reshape(-1).to(unit.shard.dtype))
+            have = [self._row_ranges(unit, q) for q in range(W)]
+            want = [[(q * unit.shard_numel, (q + 1) * unit.shard_numel)] for q in range(W)]
+            (mine,) = exchange_ranges(torch.cat(chunks), have, want, self.group, multi_have=True)
+            valid = min(unit.shard_numel, max(0, unit.numel - r * unit.shard_numel))  # the padding stays zero
+            unit.shard[:valid].copy_(mine[:valid])
+
+    def full_tensor(self, unit: Unit, name: str) -> torch.Tensor:
+        """One parameter, whole, on every rank (an all-gather of its unit)."""
+        full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+        all_gather(full.view(self.world_size, unit.shard_numel), unit.shard, self.group, ring=False).wait()
+        k = unit.names.index(name)
+        return full[unit.offsets[k]:unit.offsets[k] + unit.shapes[k].numel()].view(unit.shapes[k])
+
+
+def exchange_ranges(local: torch.Tensor, have, want, group: Group, multi_have: bool = False) -> list[torch.Tensor]:
+    """Move pieces of one flat vector between ranks with one all-to-all.
+
+    Rank q holds the elements have[q] = (start, stop) of the vector in `local` (multi_have: a list of such ranges,
+    concatenated in `local`), and wants the ranges want[q] = [(start, stop), ...]. Returns this rank's wanted
+    ranges, one tensor each. The held ranges must together cover every wanted element exactly once.
+    """
+    W, r = group.size, group.rank
+    held = have if multi_have else [[h] for h in have]
+    mine_held, where, k = held[r], [], 0
+    for a, b in mine_held:  # where each held range starts in `local`
+        where.append(k)
+        k += b - a
+
+    def overlap(a, b, c, d):
+        return max(a, c), min(b, d)
+
+    send, send_sizes = [], []
+    for q in range(W):
+        n = 0
+        for c, d in want[q]:
+            for (a, b), at in zip(mine_held, where):
+                lo, hi = overlap(a, b, c, d)
+                if lo < hi:
+                    send.append(local[at + lo - a:at + hi - a])
+                    n += hi - lo
+        send_sizes.append(n)
+    recv_sizes, plan = [], []
+    for p in range(W):
+        n = 0
+        for i, (c, d) in enumerate(want[r]):
+            for a, b in held[p]:
+                lo, hi = overlap(a, b, c, d)
+                if lo < hi:
+                    plan.append((i, lo, hi))
+                    n += hi - lo
+        recv_sizes.append(n)
+    flat_send = torch.cat(send) if send else local.new_empty(0)
+    if W == 1:
+        received = flat_send
+    else:  # through the backend's device (gloo: the CPU), back to where the data lives
+        comm = group.comm_device
+        buf = torch.empty(sum(recv_sizes), dtype=local.dtype, device=comm)
+        dist.all_to_all_single(buf, flat_send.to(comm), recv_sizes, send_sizes, group=group.pg)
+        received = buf.to(local.device)
+    out = [local.new_empty(d - c) for c, d in want[r]]
+    at = 0
+    for i, lo, hi in plan:  # pieces arrive by source rank; within a source, in the order it sent them
+        c = want[r][i][0]
+        out[i][lo - c:hi - c].copy_(received[at:at + hi - lo])
+        at += hi - lo
+    return out
+
+
+class FSDPTimeline(Observer):
+    """What FSDP did when, for the chapter's figure: one dict per event (unit, what, t in seconds since the first)."""
+
+    def __init__(self):
+        import time
+        self._clock, self.events, self._t0 = time.perf_counter, [], None
+
+    def _add(self, what: str, unit: Unit) -> None:
+        t = self._clock()
+        self._t0 = t if self._t0 is None else self._t0
+        self.events.append({"unit": unit.name, "event": what, "t": t - self._t0, "bytes": unit.full_bytes})
+
+    def gather_started(self, unit): self._add("gather_started", unit)  # noqa: E704
+    def gathered(self, unit): self._add("gathered", unit)  # noqa: E704
+    def freed(self, unit): self._add("freed", unit)  # noqa: E704
+    def reduce_started(self, unit): self._add("reduce_started", unit)  # noqa: E704
+    def reduced(self, unit): self._add("reduced", unit)  # noqa: E704

@@ -1,0 +1,72 @@
+"""Lab 5 end to end at a tiny size: DDP, ZeRO-2, nanodist FSDP and torch FSDP2 taking turns on two gloo ranks, with a
+budget; and its memory (stages 0-3 against the formula), timeline and activation-checkpointing modes on three ranks."""
+import pytest
+
+import nanodist as nd
+from nanodist.memory import zero_memory_bytes
+
+pytestmark = pytest.mark.dist
+TINY = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--no-progress"]
+
+
+def test_lab05_compares_four_implementations_within_a_budget(tmp_path):
+    run = nd.launch("lab05_fsdp", nproc=2, timeout=300, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+                    args=TINY + ["--steps", "5", "--budget", "0.5"])
+    rec = run.results
+    m = rec["metrics"]
+    impls = m["impls"]
+    assert set(impls) == {"ddp", "zero2", "fsdp", "fsdp2"}
+    # the same weights and data: all four take the same steps (FSDP's shards add in another order: allclose)
+    for name in ("zero2", "fsdp", "fsdp2"):
+        assert impls[name]["losses"] == pytest.approx(impls["ddp"]["losses"], rel=1e-4)
+    n = impls["ddp"]["params"]
+    assert impls["fsdp"]["params"] == impls["fsdp2"]["params"] == n
+    for mem in impls["ddp"]["memory"]:
+        assert mem["params"] == mem["grads"] == 4 * n and mem["peak"] > mem["held"]
+    for mem in impls["fsdp"]["memory"]:  # 1/2 of everything, up to each unit's padding
+        assert 4 * n / 2 <= mem["params"] == mem["grads"] < 4 * n / 2 + 4 * 8
+        assert mem["gathered_max"] > 0 and mem["activations_max"] > 0
+    assert 0.45 < m["ratio_states_fsdp_vs_ddp"] <= 0.52
+    assert m["ratio_bytes_sent_fsdp_vs_ddp"] == pytest.approx(1.5, rel=0.02)  # 3 (N-1)/N x model vs 2 (N-1)/N
+    assert m["bytes_per_step_predicted"]["fsdp"] == pytest.approx(1.5 * m["bytes_per_step_predicted"]["ddp"])
+    for b in impls["fsdp"]["peak_bound"]:
+        assert b["peak"] <= b["bound"]
+    assert m["ratio_step_fsdp_vs_fsdp2"] > 0
+    fits = {name: r["fits_budget"] for name, r in impls.items()}
+    peaks = {name: max(mem["peak"] for mem in r["memory"]) for name, r in impls.items()}
+    assert fits == {name: p <= 0.5 * 2**20 for name, p in peaks.items()}
+    out = run.output
+    for line in ("ratio nanodist FSDP / torch FSDP2 step time:", "ratio bytes each rank sends per step, FSDP / DDP",
+                 "ratio parameters + gradients + optimizer state per rank, FSDP / DDP:", "nanodist FSDP peak per rank"):
+        assert line in out
+    assert len(rec["steps"]) == 5
+
+
+def test_lab05_memory_stages_timeline_and_checkpointing(tmp_path):
+    run = nd.launch("lab05_fsdp", nproc=3, timeout=300, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+                    args=TINY + ["--steps", "4", "--memory-only", "--timeline", "--checkpointing-compare"])
+    m = run.results["metrics"]
+    assert "impls" not in m
+    stages = {r["stage"]: r for r in m["memory"]}
+    assert set(stages) == {0, 1, 2, 3}
+    for stage, r in stages.items():
+        n = r["num_params"]
+        f = zero_memory_bytes(n, 3, stage, 4, 4, 8)
+        assert r["formula"] == f
+        for mem in r["memory"]:  # up to the padding of uneven shards (at most a few elements per piece)
+            assert mem["params"] == pytest.approx(f["params"], abs=4 * 64)
+            assert mem["grads"] == pytest.approx(f["grads"], abs=4 * 64)
+            assert mem["optimizer_state"] - mem["optimizer_state_scalars"] == pytest.approx(f["optimizer_state"],
+                                                                                            abs=8 * 64)
+    t = m["timeline"]
+    for mode in ("prefetch", "no_prefetch"):
+        events = t[mode]["events"]
+        units = [u["name"] for u in t[mode]["units"]]
+        assert units == ["blocks.0", "blocks.1", "root"]
+        reduced = [e["unit"] for e in events if e["event"] == "reduced"]
+        assert sorted(reduced) == sorted(units)  # every unit's gradient reduced once in the step
+        gathers = [e["unit"] for e in events if e["event"] == "gather_started"]
+        assert gathers == ["root", "blocks.0", "blocks.1", "blocks.1", "blocks.0"]  # forward, then backward
+    c = m["checkpointing"]
+    assert c["on"]["activations_max"] < c["off"]["activations_max"]
+    assert c["on"]["median_step_s"] > 0 and c["off"]["median_step_s"] > 0
