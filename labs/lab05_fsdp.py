@@ -8,11 +8,13 @@
 
 Every run trains the same GPT from the same weights on the same data (nanodist.experiment):
   ddp     nanodist.DDP + AdamW: everything replicated (stage 0)
+  zero1   the bare model + DistAdamW(zero_stage=1): optimizer state sharded (stage 1)
   zero2   the bare model + DistAdamW: optimizer state and gradients sharded (stage 2)
   fsdp    nanodist.FSDP + AdamW, every Block a unit: parameters sharded too (stage 3)
   fsdp2   torch's fully_shard on every Block and the root + AdamW (stage 3, torch's)
 They take turns, one step each. Then each takes one more step, measured by nanodist's own accounting
-(nanodist.memory: the model states held throughout, and the peak of what the step allocates on top),
+(nanodist.memory: the model states, what is held throughout the step, and the peak of what the step allocates
+on top of it),
 and FSDP's step is also recorded event by event to count the bytes every rank sends. The lab prints
 step times, memory per rank and their ratios, and writes them to labs/results/lab05_fsdp/.
 """
@@ -28,8 +30,8 @@ from nanodist.fsdp import FSDPTimeline
 from nanodist.memory import zero_memory_bytes
 from nanodist.results import Recorder
 
-IMPLS = {"ddp": ("nanodist-pg", "adamw"), "zero2": ("none", "dist-adamw"), "fsdp": ("fsdp", "adamw"),
-         "fsdp2": ("fsdp2", "adamw")}
+IMPLS = {"ddp": ("nanodist-pg", "adamw", None), "zero1": ("none", "dist-adamw", 1),
+         "zero2": ("none", "dist-adamw", 2), "fsdp": ("fsdp", "adamw", None), "fsdp2": ("fsdp2", "adamw", None)}
 STAGES = (("ddp", 0, "DDP + AdamW"), ("zero1", 1, "DistAdamW"), ("zero2", 2, "DistAdamW"), ("fsdp", 3, "FSDP + AdamW"))
 MIB = 2**20
 
@@ -59,6 +61,11 @@ def check_budget(args, world_size):
     return None
 
 
+def model_states(memory: dict) -> int:
+    """Parameters + gradients + optimizer state of one rank, as measured in its step."""
+    return memory["params"] + memory["grads"] + memory["optimizer_state"]
+
+
 def fsdp_bytes_sent(events: list[dict], world_size: int) -> int:
     """Bytes this rank sent in one FSDP step, from its recorded gathers and reduce-scatters (ring algorithms)."""
     per = busbw_factor("all_gather", world_size)  # (N-1)/N of each gathered buffer or reduced gradient
@@ -78,7 +85,7 @@ def peak_bound(run, memory: dict) -> dict:
     until its reduce-scatter) + the largest saved activations; each term measured or read from the units."""
     root = [u.full_bytes for u in run.model.units if u.name == "root"]
     blocks = sorted((u.full_bytes for u in run.model.units if u.name != "root"), reverse=True)
-    parts = {"shards": memory["held"] + memory["grads"], "units": sum(blocks[:2]) + sum(root),
+    parts = {"shards": model_states(memory), "units": sum(blocks[:2]) + sum(root),
              "unit_grad": max(blocks[:1] + root), "activations": memory["activations_max"]}
     return {**parts, "bound": sum(parts.values()), "peak": memory["peak"]}
 
@@ -88,8 +95,8 @@ def memory_stages(args, data, group) -> list[dict]:
     num_params = experiment.build_model(args, data.vocab_size, "meta").num_params()  # before any wrapper shards it
     out = []
     for name, stage, label in STAGES:
-        wrapper, opt = ("none", "dist-adamw") if name.startswith("zero") else IMPLS[name]
-        run = experiment.build(args, data, group, wrapper=wrapper, optimizer=opt, name=name, zero_stage=stage or None)
+        wrapper, opt, zero_stage = IMPLS[name]
+        run = experiment.build(args, data, group, wrapper=wrapper, optimizer=opt, name=name, zero_stage=zero_stage)
         run.trainer.fit(max_steps=args.steps)
         memory = experiment.measure_memory_step(run)
         out.append({"impl": name, "stage": stage, "label": label, "world_size": group.size, "num_params": num_params,
@@ -111,7 +118,12 @@ def record_timeline(args, data, group) -> dict:
         out["prefetch" if prefetch else "no_prefetch"] = {
             "events": one_step(timeline.events), "step_s": run.trainer.history[-1]["time_s"],
             "units": [{"name": u.name, "bytes": u.full_bytes} for u in run.model.units]}
+        if prefetch:  # and its memory, operation by operation, next to DDP's
+            out["memory_trace"] = {"fsdp": experiment.measure_peak_step(run, trace=True)}
     args.no_prefetch = False
+    ddp = experiment.build(args, data, group, wrapper="nanodist-pg", name="ddp")
+    ddp.trainer.fit(max_steps=args.steps)
+    out["memory_trace"]["ddp"] = experiment.measure_peak_step(ddp, trace=True)
     return out
 
 
@@ -133,7 +145,7 @@ def compare(args, data, group, rec) -> dict:
     impls = list(IMPLS) if args.impl == "all" else [args.impl]
     timeline = FSDPTimeline()
     runs = {name: experiment.build(args, data, group, wrapper=IMPLS[name][0], optimizer=IMPLS[name][1], name=name,
-                                   recorder=rec if name == impls[0] else None,
+                                   zero_stage=IMPLS[name][2], recorder=rec if name == impls[0] else None,
                                    observer=timeline if name == "fsdp" else None) for name in impls}
     nd.print0(f"== {', '.join(impls)}: {group.size} rank(s), {args.model} model, micro-batch {args.micro_batch}, "
               f"{args.steps} steps each, taking turns step by step, gradients through the process group")
@@ -159,7 +171,7 @@ def compare(args, data, group, rec) -> dict:
             r["fits_budget"] = worst["peak"] <= args.budget * MIB
             fits = "  fits" if r["fits_budget"] else f"  does not fit in {args.budget:g} MiB"
         nd.print0(f"{name:>6}: step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> "
-                  f"{r['losses'][-1]:.3f}  per rank: states {worst['held'] / MIB:.2f} MiB, peak {worst['peak'] / MIB:.2f}"
+                  f"{r['losses'][-1]:.3f}  per rank: model states {model_states(worst) / MIB:.2f} MiB, peak {worst['peak'] / MIB:.2f}"
                   f" MiB{fits}")
     if "fsdp" in results and "fsdp2" in results:
         metrics["ratio_step_fsdp_vs_fsdp2"] = results["fsdp"]["median_step_s"] / results["fsdp2"]["median_step_s"]
@@ -174,7 +186,7 @@ def compare(args, data, group, rec) -> dict:
                   f"{metrics['ratio_peak_vs_shards_units_activations_fsdp']:.2f}); + one unit's gradient "
                   f"{b['unit_grad'] / MIB:.2f} = {b['bound'] / MIB:.2f} MiB (ratio {metrics['ratio_peak_vs_bound_fsdp']:.2f})")
     if "fsdp" in results and "ddp" in results:
-        states = lambda n: max(m["held"] + m["grads"] for m in results[n]["memory"])  # noqa: E731
+        states = lambda n: max(model_states(m) for m in results[n]["memory"])  # noqa: E731
         metrics["ratio_states_fsdp_vs_ddp"] = states("fsdp") / states("ddp")
         ddp_sent = metrics["bytes_per_step_predicted"]["ddp"]  # DDP all-reduces every gradient once: the model
         metrics["ratio_bytes_sent_fsdp_vs_ddp"] = results["fsdp"]["bytes_sent"] / ddp_sent

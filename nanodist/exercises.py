@@ -1,12 +1,23 @@
-"""Checking a reader's answers to a chapter's exercises: right, or wrong with a hint.
+"""Checking a reader's answers to a chapter's exercises: right, or wrong with a hint -- never the answer.
 
-    check(answer, expected=19, hint="global rank = node rank x ranks per node + local rank")
+In a chapter, each exercise is four cells:
 
-An unanswered exercise holds `...` (Ellipsis): the check then only prints the hint.
+    expect("5.1", bytes_per_step("fsdp", 3e9, 8) / 1e9)      # hidden (removed from the page, collapsed in Jupyter)
+    answer = ...                                             # the reader's cell
+    check(answer, exercise="5.1", hint="count the collectives of one step")
+    answer = bytes_per_step("fsdp", 3e9, 8) / 1e9            # the solution, collapsed until opened
+    check(answer, exercise="5.1", hint="...")
+
+The expected value is computed in the hidden cell, so the check cell shows only what to do. An answer may also
+be a function: expect(key, cases=[(args, result), ...]) checks it on inputs the reader does not see. An
+unanswered exercise holds `...` (Ellipsis): the check then prints the hint.
 """
 from __future__ import annotations
 
 import math
+from typing import Any
+
+_EXPECTED: dict[str, dict] = {}
 
 
 def _equal(answer, expected, rel_tol: float) -> bool:
@@ -26,11 +37,51 @@ def is_right(answer, expected, rel_tol: float = 1e-6) -> bool:
     return answer is not ... and _equal(answer, expected, rel_tol)
 
 
-def check(answer, expected, hint: str, rel_tol: float = 1e-6) -> None:
-    """Print whether `answer` is right; print `hint` when it is not (or not given yet)."""
+def expect(exercise: str, value: Any = None, *, cases: list[tuple] | None = None, rel_tol: float = 1e-6) -> None:
+    """Register what exercise `exercise` expects: a value, or (for a function) cases [(args, result), ...]."""
+    if (value is None) == (cases is None):
+        raise ValueError("expect: give either a value or cases, not both")
+    _EXPECTED[exercise] = {"value": value, "cases": cases, "rel_tol": rel_tol}
+
+
+def _verdict(answer, exercise: str) -> tuple[bool, str]:
+    if exercise not in _EXPECTED:
+        raise KeyError(f"exercise {exercise!r} has no expected answer: run the chapter's cells in order (the hidden "
+                       f"cell before the exercise registers it)")
+    e = _EXPECTED[exercise]
+    if e["cases"] is None:
+        return is_right(answer, e["value"], e["rel_tol"]), ""
+    if not callable(answer):
+        return False, " (the answer is a function)"
+    for args, result in e["cases"]:
+        try:
+            got = answer(*args)
+        except Exception as err:  # the reader's function raised: say so, without the inputs' expected result
+            return False, f" ({type(err).__name__} for inputs {args!r})"
+        if got is ...:
+            return False, "unanswered"
+        if not is_right(got, result, e["rel_tol"]):
+            return False, f" (wrong for inputs {args!r}: got {got!r})"
+    return True, ""
+
+
+def check(answer, expected: Any = None, hint: str = "", rel_tol: float = 1e-6, *, exercise: str | None = None) -> None:
+    """Print whether `answer` is right; print `hint` when it is not (or not given yet).
+
+    With exercise=, the expected value is the one registered by expect() in a hidden cell; expected= is the older
+    form, for an answer that may be shown."""
     if answer is ...:
         print(f"Not answered yet. Hint: {hint}")
-    elif is_right(answer, expected, rel_tol):
-        print("Right!")
+        return
+    if exercise is not None:
+        ok, why = _verdict(answer, exercise)
     else:
-        print(f"Not quite ({answer!r}). Hint: {hint}")
+        ok, why = is_right(answer, expected, rel_tol), ""
+    if why == "unanswered":  # a function whose body is still `...`
+        print(f"Not answered yet. Hint: {hint}")
+    elif ok:
+        print("Right!")
+    elif callable(answer):
+        print(f"Not quite{why}. Hint: {hint}")
+    else:
+        print(f"Not quite ({answer!r}){why}. Hint: {hint}")

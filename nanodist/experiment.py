@@ -34,7 +34,7 @@ from .data import CharTokenizer, TokenStream, load_corpus, train_val_split
 from .ddp import DDP, NaiveDDP
 from .fsdp import FSDP
 from .group import Group
-from .memory import measure_memory
+from .memory import measure_memory, tensor_bytes
 from .model import GPT, PRESETS, GPTConfig
 from .optim import DistAdamW, make_muon_optimizer
 from .train import TrainConfig, Trainer, autocast, grad_accum_steps
@@ -257,6 +257,7 @@ def summarize(run: Run) -> dict:
     out = {"impl": run.name, "world_size": trainer.group.size, "grad_accum": trainer.grad_accum,
            "tokens_per_step": trainer.tokens_per_step, "median_step_s": step_s,
            "tokens_per_s": trainer.tokens_per_step / step_s, "losses": [round(h["loss"], 5) for h in trainer.history],
+           "grad_norms": [h.get("grad_norm") for h in trainer.history],
            "val_loss": trainer.history[-1].get("val_loss") if trainer.history else None,
            "params": num_params(run)}
     if isinstance(run.model, DDP) or hasattr(run.optimizer, "transport"):
@@ -296,30 +297,71 @@ def measure_memory_step(run: Run) -> dict:
     return report
 
 
-def measure_peak_step(run: Run) -> dict:
-    """One more step, its memory per rank by our own accounting: the model states held throughout (params or
-    shards, optimizer state), the gradients the optimizer finds after backward, and the peak of what the step
-    allocates on top of the states (activations, gradients, gathered units, temporaries) from
-    nanodist.memory.AllocationTracker; the largest saved activations and gathered units from LiveBytes."""
+def measure_peak_step(run: Run, trace: bool = False, max_points: int = 1500) -> dict:
+    """One more step, its memory per rank by our own accounting: the model states (params or shards, the
+    gradients the optimizer finds after backward, optimizer state); what is held throughout ("held": params,
+    optimizer state and gradient buffers kept between steps, as DDP's buckets); the peak of what the step
+    allocates on top of that (activations, gradients, gathered units, temporaries) from
+    nanodist.memory.AllocationTracker, and "peak" = held + that; the largest saved activations and gathered
+    units from LiveBytes.
+
+    trace=True adds "trace": the bytes allocated after each operation of the step ("total"), with the saved
+    activations and gathered units at the same moments and where forward, backward and the optimizer began
+    ("phases", as operation indices); at most max_points points (each the largest of the operations it covers)."""
     from .memory import AllocationTracker, LiveBytes
     x, y = next(run.train)
     run.optimizer.zero_grad(set_to_none=True)
     states = measure_memory(run.model, run.optimizer)
     held = states.params + states.optimizer_state
-    alloc, live = AllocationTracker(), LiveBytes()
+    alloc = AllocationTracker()
+    live = LiveBytes(clock=lambda: len(alloc.timeline))
     fsdp = run.model if isinstance(run.model, FSDP) else None
-    if fsdp is not None:  # FSDP's gathered buffers change size without an operation: its events tell
+    if fsdp is not None:  # FSDP's events say which bytes are gathered units
         saved = fsdp.observer
         fsdp.observer = [live] + (list(saved) if isinstance(saved, (list, tuple)) else [saved] if saved else [])
+    phases = {}
     with alloc, live.track(), autocast(run.trainer.cfg.dtype, run.trainer.group.device):
+        phases["forward"] = len(alloc.timeline)
         _, loss = run.model(x, y)
+        phases["backward"] = len(alloc.timeline)
         loss.backward()
         grads = measure_memory(run.model, run.optimizer).grads  # the gradients as the optimizer will find them
+        # Gradient memory allocated before the step and kept (DDP's buckets, ZeRO's shards) is held throughout.
+        kept = [g for g in _gradients(run) if not alloc.is_new(g)]
+        phases["optimizer"] = len(alloc.timeline)
         run.optimizer.step()
     if fsdp is not None:
         fsdp.observer = saved
     run.optimizer.zero_grad(set_to_none=True)
     acts = live.summary()
-    return {"held": held, "params": states.params, "grads": grads, "optimizer_state": states.optimizer_state,
-            "step_peak": alloc.peak, "peak": held + alloc.peak, "activations_max": acts["max"]["activations"],
-            "gathered_max": acts["max"]["gathered"]}
+    held += tensor_bytes(kept)
+    out = {"held": held, "params": states.params, "grads": grads, "optimizer_state": states.optimizer_state,
+           "step_peak": alloc.peak, "peak": held + alloc.peak, "activations_max": acts["max"]["activations"],
+           "gathered_max": acts["max"]["gathered"]}
+    if trace:
+        out["trace"] = _memory_trace(alloc.timeline, live.events, phases, max_points)
+    return out
+
+
+def _gradients(run: Run) -> list[torch.Tensor]:
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    grads += list(getattr(run.optimizer, "gradient_buffers", lambda: [])())
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a DTensor's memory is its local shard
+
+
+def _memory_trace(total: list[int], events: list[tuple], phases: dict, max_points: int) -> dict:
+    """Per operation: bytes allocated, and the saved activations and gathered units then (LiveBytes' events,
+    stamped with the operation count); kept to max_points by taking each window's largest total."""
+    kinds = {"activations": 0, "gathered": 0}
+    at = {k: [0] * len(total) for k in kinds}
+    j = 0
+    for i in range(len(total)):
+        while j < len(events) and events[j][2] <= i + 1:
+            kinds[events[j][0]] += events[j][1]
+            j += 1
+        for k in kinds:
+            at[k][i] = kinds[k]
+    stride = max(1, math.ceil(len(total) / max_points))
+    keep = [max(range(s, min(s + stride, len(total))), key=total.__getitem__) for s in range(0, len(total), stride)]
+    return {"index": keep, "total": [total[i] for i in keep], "activations": [at["activations"][i] for i in keep],
+            "gathered": [at["gathered"][i] for i in keep], "phases": phases}

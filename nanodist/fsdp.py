@@ -90,13 +90,13 @@ class Unit:
         self.gathered = False
         self.work: Work | None = None  # an all-gather in flight (prefetch)
         self._send: torch.Tensor | None = None
-        # This rank's part of every parameter: [a, b) of the flat buffer, as a view into the shard.
-        lo, hi = r * self.shard_numel, (r + 1) * self.shard_numel
+        # This rank's part of every parameter: (start, stop) in the shard, and where in the parameter it starts.
+        mine = {k: (a, b) for k, a, b in flat_layout([p.numel() for p in params], W)[r] if k is not None}
         self.local = []
-        for o, p in zip(self.offsets, params):
-            a, b = max(o, lo), min(o + p.numel(), hi)
-            a, b = (a, b) if a < b else (lo, lo)
-            self.local.append((a - lo, b - lo, a - o))  # in the shard, and where in the parameter it starts
+        for k, o in enumerate(self.offsets):
+            a, b = mine.get(k, (0, 0))
+            at = o + a - r * self.shard_numel
+            self.local.append((at, at + b - a, a) if b > a else (0, 0, 0))
         self.views = [nn.Parameter(self.shard[s:e], requires_grad=self.requires_grad) for s, e, _ in self.local]
         self.grad_shard: torch.Tensor | None = None
 
@@ -458,14 +458,8 @@ class FSDP(nn.Module):
     def _row_ranges(self, unit: Unit, rank: int) -> list[tuple[int, int]]:
         """Where each parameter's dim-0 chunk for `rank` (torch.chunk's rule, DTensor Shard(0)'s) lies in the unit's
         flat buffer."""
-        out = []
-        for o, shape in zip(unit.offsets, unit.shapes):
-            rows = shape[0] if len(shape) else 1
-            cols = shape.numel() // rows if rows else 0
-            size = math.ceil(rows / self.world_size)
-            a, b = min(rank * size, rows), min((rank + 1) * size, rows)
-            out.append((o + a * cols, o + b * cols))
-        return out
+        chunks = dim0_layout(unit.shapes, self.world_size)[rank]
+        return [(o + a, o + b) for o, (_, a, b) in zip(unit.offsets, chunks)]
 
     @torch.no_grad()
     def state_dict(self, *args, **kwargs) -> dict:
@@ -522,6 +516,43 @@ class FSDP(nn.Module):
         all_gather(full.view(self.world_size, unit.shard_numel), unit.shard, self.group, ring=False).wait()
         k = unit.names.index(name)
         return full[unit.offsets[k]:unit.offsets[k] + unit.shapes[k].numel()].view(unit.shapes[k])
+
+
+def flat_layout(numels: list[int], world_size: int) -> list[list[tuple]]:
+    """How a unit's flat buffer is cut: for each rank, the pieces it holds as (k, start, stop) -- elements
+    [start, stop) of parameter k -- and, at the end of the last ranks, (None, start, stop) for the padding that
+    makes the buffer a multiple of world_size (positions in the buffer). Every piece is 1/world_size of the
+    buffer; a parameter may straddle two or more ranks."""
+    total = sum(numels)
+    shard = max(math.ceil(total / world_size), 1)
+    starts = [sum(numels[:k]) for k in range(len(numels))]
+    out = []
+    for r in range(world_size):
+        lo, hi = r * shard, (r + 1) * shard
+        pieces = [(k, max(lo, o) - o, min(hi, o + n) - o) for k, (o, n) in enumerate(zip(starts, numels))
+                  if max(lo, o) < min(hi, o + n)]
+        if hi > total:
+            pieces.append((None, max(lo, total), hi))
+        out.append(pieces)
+    return out
+
+
+def dim0_layout(shapes: list, world_size: int) -> list[list[tuple]]:
+    """How torch FSDP2 cuts the same parameters (DTensor Shard(0), torch.chunk's rule): for each rank, (k, start,
+    stop) in elements of parameter k, one entry per parameter (start == stop: this rank holds none of it). Rows
+    are dealt ceil(rows / world_size) at a time, so the last ranks may hold fewer, or none."""
+    out = []
+    for r in range(world_size):
+        pieces = []
+        for k, shape in enumerate(shapes):
+            shape = tuple(shape)
+            rows = shape[0] if shape else 1
+            cols = math.prod(shape[1:]) if shape else 1
+            size = math.ceil(rows / world_size)
+            a, b = min(r * size, rows), min((r + 1) * size, rows)
+            pieces.append((k, a * cols, b * cols))
+        out.append(pieces)
+    return out
 
 
 def exchange_ranges(local: torch.Tensor, have, want, group: Group, multi_have: bool = False) -> list[torch.Tensor]:

@@ -355,14 +355,15 @@ class LiveBytes:
     too, from the allocator, and the difference is the workspace of the operations.
     """
 
-    def __init__(self):
-        self.events: list[tuple[str, int]] = []  # (kind, +/- bytes) in order
+    def __init__(self, clock=None):
+        self.events: list[tuple] = []  # (kind, +/- bytes, clock()) in order
+        self._clock = clock or (lambda: len(self.events))  # e.g. an AllocationTracker's operation count
         self._saved: dict[tuple, list] = {}  # storage -> [bytes, references alive]
         self._gathered: dict[str, int] = {}
         self.peak, self.at_peak = 0, {}
 
     def _add(self, kind: str, nbytes: int) -> None:
-        self.events.append((kind, nbytes))
+        self.events.append((kind, nbytes, self._clock()))
 
     def _pack(self, t: torch.Tensor):
         base = t if t._base is None else t._base
@@ -407,7 +408,7 @@ class LiveBytes:
     def summary(self) -> dict:
         """peak (bytes), the kinds at that moment, and the largest of each kind on its own."""
         live, best, at, most = {"activations": 0, "gathered": 0}, 0, {}, {"activations": 0, "gathered": 0}
-        for kind, delta in self.events:
+        for kind, delta, _ in self.events:
             live[kind] += delta
             most[kind] = max(most[kind], live[kind])
             total = sum(live.values())
@@ -497,6 +498,10 @@ class AllocationTracker(TorchDispatchMode):
                 if id(storage) not in inputs:
                     self._track(storage)
         return out
+
+    def is_new(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s memory was allocated inside the region (and is therefore part of live / peak)."""
+        return id(t.untyped_storage()) in self._seen
 
     def _track(self, storage) -> None:
         key = id(storage)

@@ -466,3 +466,108 @@ def zero_memory(rows: list[dict], ax=None, unit: float = 2**20, unit_name: str =
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
+
+
+def fsdp_layouts(flat: list[list[tuple]], dim0: list[list[tuple]], names: list[str], numels: list[int],
+                 axes=None):
+    """Who holds what of one unit's parameters, two ways (from nanodist.fsdp.flat_layout / dim0_layout): nanodist's
+    flat buffer cut into N equal pieces (a parameter may straddle ranks; the last piece padded) and FSDP2's cut of
+    every parameter along dim 0 (each parameter on every rank, unequal when rows do not divide)."""
+    W = len(flat)
+    total = sum(numels)
+    if axes is None:
+        _, axes = plt.subplots(2, 1, figsize=(8, 1.2 + 0.9 * W), sharex=True)
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    for ax, layout, title in ((axes[0], flat, "nanodist FSDP: one flat buffer, N equal pieces"),
+                              (axes[1], dim0, "torch FSDP2: every parameter cut along dim 0 (DTensor Shard(0))")):
+        for r, pieces in enumerate(layout):
+            for k, a, b in pieces:
+                if b <= a:
+                    continue
+                x0 = starts[k] + a if k is not None else a
+                ax.add_patch(Rectangle((x0, W - 1 - r), b - a, 0.8, fc=PALETTE[k % len(PALETTE)] if k is not None
+                                       else "#DDDDDD", ec="white", lw=1, hatch=None if k is not None else "//"))
+        for k, (s, n) in enumerate(zip(starts, numels)):
+            ax.axvline(s, color="#999999", lw=0.6)
+        ax.set_yticks([W - 1 - r + 0.4 for r in range(W)], [f"rank {r}" for r in range(W)])
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_ylim(-0.2, W)
+        ax.spines[["top", "right", "left"]].set_visible(False)
+        ax.tick_params(left=False)
+    pad = max(b for pieces in flat for k, a, b in pieces if k is None) if any(
+        k is None for pieces in flat for k, _, _ in pieces) else total
+    axes[-1].set_xlim(0, max(total, pad))
+    axes[-1].set_xticks([s + n / 2 for s, n in zip(starts, numels)], names, fontsize=9)
+    axes[-1].set_xlabel("the unit's parameters, end to end (element index)")
+    return axes
+
+
+def fsdp_timeline(runs: dict[str, list[dict]], axes=None):
+    """FSDP's step, unit by unit, from FSDPTimeline events: when each unit's all-gather was in flight (light),
+    when its parameters were gathered (dark), and its reduce-scatter (red); one panel per run (e.g. prefetch on
+    and off), on one time axis in milliseconds."""
+    names = list(runs)
+    if axes is None:
+        _, axes = plt.subplots(len(names), 1, figsize=(8.5, 0.9 + 1.9 * len(names)), sharex=True, squeeze=False)
+        axes = axes[:, 0]
+    for ax, name in zip(axes, names):
+        events = runs[name]
+        t0 = events[0]["t"]
+        units = []
+        for e in events:
+            if e["unit"] not in units:
+                units.append(e["unit"])
+        rows = {u: len(units) - 1 - i for i, u in enumerate(units)}
+        open_at: dict = {}
+        for e in events:
+            u, t, kind = e["unit"], 1e3 * (e["t"] - t0), e["event"]
+            y = rows[u]
+            if kind in ("gather_started", "reduce_started"):
+                open_at[(u, kind)] = t
+            elif kind == "gathered" and (u, "gather_started") in open_at:
+                s = open_at.pop((u, "gather_started"))
+                ax.broken_barh([(s, max(t - s, 0.05))], (y + 0.1, 0.8), fc="#A6C8E8")
+                open_at[(u, "held")] = t
+            elif kind == "freed" and (u, "held") in open_at:
+                s = open_at.pop((u, "held"))
+                ax.broken_barh([(s, max(t - s, 0.05))], (y + 0.1, 0.8), fc=PALETTE[0])
+            elif kind == "reduced" and (u, "reduce_started") in open_at:
+                s = open_at.pop((u, "reduce_started"))
+                ax.broken_barh([(s, max(t - s, 0.05))], (y + 0.35, 0.3), fc=PALETTE[3])
+        end = 1e3 * (events[-1]["t"] - t0)
+        for (u, kind), s in open_at.items():  # still held at the end of the step
+            if kind == "held":
+                ax.broken_barh([(s, max(end - s, 0.05))], (rows[u] + 0.1, 0.8), fc=PALETTE[0])
+        ax.set_yticks([rows[u] + 0.5 for u in units], units, fontsize=9)
+        ax.set_title(name, fontsize=10, loc="left")
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[-1].set_xlabel("time in the step (ms)")
+    from matplotlib.patches import Patch
+    axes[0].legend(handles=[Patch(fc="#A6C8E8", label="all-gather in flight"), Patch(fc=PALETTE[0], label="gathered"),
+                            Patch(fc=PALETTE[3], label="reduce-scatter")],
+                   loc="lower left", bbox_to_anchor=(0, 1.12), ncol=3, frameon=False, fontsize=9)
+    return axes
+
+
+def memory_over_step(trace: dict, ax=None, unit: float = 2**20, unit_name: str = "MiB"):
+    """Bytes allocated during one training step, above what the rank holds throughout (nanodist.memory's
+    accounting: trace from experiment.measure_peak_step(run, trace=True)), with the saved activations and the
+    gathered FSDP units drawn under it, and the forward / backward / optimizer phases marked."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.4))
+    x = trace["index"]
+    ax.plot(x, [v / unit for v in trace["total"]], color="#333333", lw=1.4, label="all allocations")
+    ax.stackplot(x, [v / unit for v in trace["activations"]], [v / unit for v in trace["gathered"]],
+                 colors=[PALETTE[1], PALETTE[0]], alpha=0.6, labels=["saved activations", "gathered units"])
+    marks = sorted(trace["phases"].items(), key=lambda kv: kv[1])
+    ends = [at for _, at in marks[1:]] + [max(x[-1], marks[-1][1] + 1)]
+    top = max(trace["total"]) / unit
+    for (name, at), end in zip(marks, ends):
+        ax.axvline(at, color="#999999", lw=0.8, ls="--")
+        ax.text((at + end) / 2, top * 1.03, name, fontsize=9, ha="center", va="bottom", color="#555555")
+    ax.set_ylim(0, top * 1.15)
+    ax.set_xlabel("operations in the step, in order")
+    ax.set_ylabel(f"{unit_name} above what is held")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=9)
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax

@@ -438,3 +438,19 @@ def table(records: list[dict] | None = None, lab: str | None = None) -> Table:
     if records is None:
         records = load_all(lab)
     return Table(summarize(r) for r in records)
+
+
+def provenance(record: dict) -> str:
+    """One line saying where a record's numbers were measured: machine, backend, world size, torch, date.
+
+        "Measured on Intel Xeon ... (2 cores, no GPU), gloo, 2 ranks on 1 node, torch 2.13.0, 2026-11-23."
+    """
+    hw = record.get("hardware", {})
+    cores = hw.get("cpu_logical_cores")
+    gpus = hw.get("gpu_names") or []
+    gpu = f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU"
+    machine = f"{hw.get('cpu_model', 'unknown CPU')} ({cores} cores, {gpu})" if cores else hw.get("cpu_model", "?")
+    W, nodes = record.get("world_size", "?"), record.get("nnodes", 1)
+    ranks = f"{W} rank{'s' if W != 1 else ''}" + (f" on {nodes} nodes" if nodes and nodes > 1 else "")
+    date = str(record.get("created", ""))[:10]
+    return f"Measured on {machine}, {record.get('backend', '?')}, {ranks}, torch {hw.get('torch', '?')}, {date}."

@@ -2,6 +2,7 @@
 sizes that do not divide, bf16 compute; prefetch keeps at most two units gathered; the Trainer drives it;
 state dicts round-trip; bad input is a clear error."""
 import copy
+import math
 
 import pytest
 import torch
@@ -319,3 +320,23 @@ def test_a_frozen_unit_trains_like_one_process():
     diffs = spawn(frozen_worker, 2, timeout=120)[0]
     assert max(diffs.values()) < 1e-5, diffs
     assert diffs["blocks.0.attn.qkv.weight"] == 0.0
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5])
+def test_the_two_layouts_cover_every_element_once(W):
+    from nanodist.fsdp import dim0_layout, flat_layout
+    shapes = [(7, 3), (5,), (2, 2, 2), (1,), (0, 4)]
+    numels = [math.prod(s) for s in shapes]
+    for layout in (flat_layout(numels, W), dim0_layout(shapes, W)):
+        held = [[0] * n for n in numels]
+        for pieces in layout:
+            for k, a, b in pieces:
+                if k is not None:
+                    for i in range(a, b):
+                        held[k][i] += 1
+        assert all(c == 1 for h in held for c in h)
+    flat = flat_layout(numels, W)
+    sizes = [sum(b - a for _, a, b in pieces) for pieces in flat]  # equal pieces, padding included
+    assert len(set(sizes)) == 1 and sizes[0] * W >= sum(numels) > (sizes[0] - 1) * W
+    rows = [[b - a for k, a, b in dim0_layout(shapes, W)[r] if k == 0] for r in range(W)]
+    assert sum(sum(r) for r in rows) == 21 and rows[0][0] == 3 * math.ceil(7 / W)  # torch.chunk's rule

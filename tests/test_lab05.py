@@ -15,9 +15,9 @@ def test_lab05_compares_four_implementations_within_a_budget(tmp_path):
     rec = run.results
     m = rec["metrics"]
     impls = m["impls"]
-    assert set(impls) == {"ddp", "zero2", "fsdp", "fsdp2"}
+    assert set(impls) == {"ddp", "zero1", "zero2", "fsdp", "fsdp2"}
     # the same weights and data: all four take the same steps (FSDP's shards add in another order: allclose)
-    for name in ("zero2", "fsdp", "fsdp2"):
+    for name in ("zero1", "zero2", "fsdp", "fsdp2"):
         assert impls[name]["losses"] == pytest.approx(impls["ddp"]["losses"], rel=1e-4)
     n = impls["ddp"]["params"]
     assert impls["fsdp"]["params"] == impls["fsdp2"]["params"] == n

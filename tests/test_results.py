@@ -163,3 +163,17 @@ def test_reference_runs_are_read_only_when_asked_for(tmp_path, monkeypatch):
     write_run(reference / "lab_x", host="gpu-box")
     assert [r["hardware"]["hostname"] for r in load_all("lab_x")] == ["laptop", "gpu-box"]
     assert [r["hardware"]["hostname"] for r in load_all("lab_x", include_reference=False)] == ["laptop"]
+
+
+def test_provenance_names_machine_backend_world_and_date():
+    record = {"world_size": 2, "nnodes": 1, "backend": "nccl", "created": "2026-11-23T10:00:00+00:00",
+              "hardware": {"cpu_model": "AMD EPYC 9454", "cpu_logical_cores": 16, "gpu_names": ["NVIDIA H100", "NVIDIA H100"],
+                           "torch": "2.11.0"}}
+    line = results.provenance(record)
+    assert line == ("Measured on AMD EPYC 9454 (16 cores, 2 x NVIDIA H100), nccl, 2 ranks, torch 2.11.0, "
+                    "2026-11-23.")
+    record.update(world_size=1, nnodes=1, backend="gloo")
+    record["hardware"].update(gpu_names=[], cpu_logical_cores=2)
+    assert "(2 cores, no GPU), gloo, 1 rank," in results.provenance(record)
+    record.update(world_size=4, nnodes=2)
+    assert "4 ranks on 2 nodes" in results.provenance(record)

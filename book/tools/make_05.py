@@ -1,0 +1,682 @@
+"""Writes book/05_fsdp.ipynb (unexecuted): Chapter 5's cells, kept as code so the chapter can be reviewed in diffs.
+
+    python book/tools/make_05.py && jupyter nbconvert --to notebook --execute --inplace book/05_fsdp.ipynb
+"""
+from pathlib import Path
+
+import nbformat as nbf
+
+HIDDEN = {"tags": ["remove-cell"], "jupyter": {"source_hidden": True}}      # the expected answer: not on the page
+SOLUTION = {"tags": ["hide-input"], "jupyter": {"source_hidden": True}}     # the solution: collapsed until opened
+TIMING = {"tags": ["nbval-ignore-output"]}                                 # hardware- and timing-dependent output
+
+cells = []
+
+
+def md(text):
+    cells.append(nbf.v4.new_markdown_cell(text.strip("\n")))
+
+
+def code(text, meta=None):
+    c = nbf.v4.new_code_cell(text.strip("\n"))
+    if meta:
+        c.metadata.update(meta)
+    cells.append(c)
+
+
+def exercise(key, question, expected, answer_cell, hint, solution):
+    md(f"**{key[2:]}.** {question}")
+    code(f"expect({key!r}, {expected})", HIDDEN)
+    code(f"{answer_cell}\ncheck(answer, exercise={key!r},\n      hint={hint!r})")
+    code(f"{solution}\ncheck(answer, exercise={key!r}, hint='')", SOLUTION)
+
+
+md(r"""
+# 5. FSDP: sharding the parameters too
+
+ZeRO stages 1 and 2 (Chapter 4) shard the optimizer state and the gradients, but every rank still holds
+every parameter: $2\Psi$ bytes in mixed precision, a floor that no number of GPUs lowers. A 70-billion
+parameter model needs 140 GB for its bf16 weights alone, nearly twice what an 80 GB H100 holds.
+
+**Fully sharded data parallelism** (FSDP, the ZeRO paper's stage 3) removes the floor. Each rank keeps
+$1/N$ of the parameters, and a piece of the model is assembled only while it computes: gathered from
+all ranks just before its forward, thrown away just after, gathered again for its backward, and its
+gradient reduce-scattered so that each rank keeps the $1/N$ it owns. The memory of the model states
+falls to $(2 + 2 + K)\Psi / N$; the price is more communication, and this chapter measures how much.
+
+nanodist has its own FSDP, `nanodist.FSDP`, built on the same gradient-sync engine as DDP and the
+sharded optimizers, and tested equal to torch's FSDP2 (`torch.distributed.fsdp.fully_shard`) and to
+one process, at 1 to 4 ranks. By the end of the chapter you will be able to:
+- explain FSDP's gather / compute / free cycle and read it off a timeline of a real step;
+- say how a flat parameter buffer differs from FSDP2's per-parameter sharding, and what each costs;
+- account for a rank's peak memory during a step: shards, gathered units, activations;
+- predict FSDP's communication volume (1.5 × DDP's) and check it against a run;
+- choose between DDP, ZeRO-1, ZeRO-2 and FSDP for a given model and memory budget.
+""")
+
+code("""
+import inspect
+
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import Markdown
+from myst_nb import glue
+
+import nanodist as nd
+from nanodist import plots
+from nanodist.costmodel import bytes_per_step
+from nanodist.data import CharTokenizer, TokenStream, generate_corpus
+from nanodist.exercises import check, expect
+from nanodist.fsdp import FSDP, Unit, dim0_layout, flat_layout
+from nanodist.memory import memory_table, zero_memory_bytes
+from nanodist.model import GPT, GPTConfig
+from nanodist.results import Table, provenance
+
+MiB = 2**20
+
+
+def caption(name, record):
+    \"\"\"Glue a figure's provenance line (machine, backend, world size, torch, date) for the text below it.\"\"\"
+    glue(name, Markdown(f"*{provenance(record)}*"), display=False)
+""")
+
+md(r"""
+## The idea: gather, compute, free
+
+FSDP cuts the model into **units**: the submodules you name (every transformer block, typically) plus
+the **root**, which holds whatever no unit does (here the token and position embeddings, the final
+LayerNorm, and the output layer, which shares its weight with the token embedding). Each rank keeps
+$1/N$ of every unit, its **shard**, in fp32: the master copy that the optimizer updates. Around each
+unit, in every step:
+
+1. **forward**: all-gather the unit's shards into its full parameters, run the unit, free them;
+2. **backward**: all-gather them again, run the unit's backward, **reduce-scatter** its gradient so that
+   each rank receives the average of the part it owns, free the parameters and the full gradient;
+3. **step**: the optimizer updates each rank's shards, with no communication at all.
+
+Only the unit that is computing needs its full parameters, so a rank holds its shards plus one or two
+gathered units at a time instead of the whole model. The model states shrink by $N$:
+""")
+
+code(r"""
+print("stage 3, 7.5e9 parameters, mixed-precision AdamW, 64 ranks:",
+      f"{zero_memory_bytes(7.5e9, 64, 3)['total'] / 1e9:.2f} GB per rank;",
+      f"stage 2: {zero_memory_bytes(7.5e9, 64, 2)['total'] / 1e9:.2f} GB")
+""")
+
+md(r"""
+**Communication.** Each step gathers every unit twice (forward and backward) and reduce-scatters its
+gradient once. By Chapter 2's ring algorithms each of these sends $\frac{N-1}{N}$ of the unit's bytes
+from every rank, so FSDP sends $3\frac{N-1}{N}\Psi$ bytes per rank and step, where DDP's all-reduce sends
+$2\frac{N-1}{N}\Psi$: **1.5 times as much**. `nanodist.costmodel.bytes_per_step` counts it for each way of
+keeping data-parallel ranks in sync (bytes per rank and step, for a model of 1 GB):
+""")
+
+code(r"""
+strategies = ["ddp", "zero1", "zero2", "fsdp", "fsdp-keep"]
+volume = Table({"ranks": n, **{s: f"{bytes_per_step(s, 1e9, n) / 1e9:.2f} GB" for s in strategies}} for n in (2, 8, 64))
+for n in (2, 8, 64):
+    assert abs(bytes_per_step("fsdp", 1, n) / bytes_per_step("ddp", 1, n) - 1.5) < 1e-12
+volume
+""")
+
+md(r"""
+ZeRO-1 all-reduces the gradients and then all-gathers the updated parameters (3 halves); ZeRO-2
+replaces the all-reduce by a reduce-scatter (2 halves, as DDP). `fsdp-keep` is FSDP with
+`reshard_after_forward=False`: each unit stays gathered from its forward until its backward, one
+all-gather fewer, as much traffic as DDP, and memory closer to ZeRO-2's.
+
+## Units and flat parameters
+
+Using it looks like DDP, with one more argument, the units:
+
+```python
+model = GPT(cfg)
+fsdp = nd.FSDP(model, units=list(model.blocks))                       # every Block a unit, the rest the root
+opt = torch.optim.AdamW(fsdp.configure_param_groups(0.1), lr=3e-3)    # steps this rank's shards
+loss = fsdp(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
+```
+
+**How a unit is stored.** nanodist lays a unit's parameters end to end in one flat buffer, pads it to
+a multiple of $N$, and gives rank $r$ the $r$-th of $N$ equal pieces. PyTorch's first FSDP (its `FlatParameter`)
+does the same. torch's FSDP2 does something else: it cuts
+*each parameter* along its first dimension, so that every parameter is a `DTensor` with placement
+`Shard(0)` whose rank-$r$ part is the $r$-th chunk of its rows (`torch.chunk`'s rule). Here are both
+layouts for a small unit, a `Linear(4, 5)` followed by a `Linear(4, 3)`, on 3 ranks, computed by the
+same functions `nanodist.FSDP` uses:
+""")
+
+code(r"""
+shapes = [(5, 4), (5,), (3, 4), (3,)]
+names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+numels = [torch.Size(s).numel() for s in shapes]
+flat, dim0 = flat_layout(numels, 3), dim0_layout(shapes, 3)
+plots.fsdp_layouts(flat, dim0, names, numels)
+plt.show()
+""")
+
+code(r"""
+sizes = [sum(b - a for _, a, b in pieces) for pieces in flat]
+rows = Table({"rank": r, "flat: elements held": sizes[r],
+              "flat: padding": sum(b - a for k, a, b in flat[r] if k is None),
+              "Shard(0): elements held": sum(b - a for _, a, b in dim0[r])} for r in range(3))
+assert len(set(sizes)) == 1 and sum(sizes) == 42 and sum(numels) == 40
+rows
+""")
+
+md(r"""
+The flat buffer gives every rank exactly the same number of elements (40 elements, padded to 42, in
+three pieces of 14), and a unit's all-gather is one collective on one contiguous buffer. But a piece
+ignores the parameters' boundaries: `fc1.weight` straddles ranks 0 and 1. Per-parameter sharding keeps
+every parameter's own shape (rank $r$ holds rows of each matrix), so each shard is meaningful alone.
+That matters for what comes after:
+
+- an optimizer that needs **whole matrices**, such as Muon (Chapter 4), cannot run on flat pieces;
+  `make_muon_optimizer` refuses an FSDP model with a clear error. With `Shard(0)` it could gather just
+  the rows of one matrix;
+- **checkpoints** (Chapter 6) want a layout that does not depend on how units were packed.
+  `FSDP.state_dict()` therefore hands out every parameter as a `DTensor` `Shard(0)` of its own shape,
+  FSDP2's layout, moving the pieces with one all-to-all per unit;
+- per-parameter dtypes and frozen parameters are easy with `Shard(0)`; a flat buffer needs one dtype and
+  one `requires_grad` per unit, so nanodist raises a clear error for a unit that mixes them.
+
+FSDP2 pays for its layout at every collective: it copies the shards into one flat buffer before the
+all-gather and copies the gathered buffer out into the parameters afterwards (and the same for the
+gradients). nanodist's parameters are views into the gathered buffer, so there is nothing to copy.
+
+**The code.** The whole cycle is a handful of module hooks. Before a unit's forward, wait for its
+gather and start the next unit's (prefetch); after it, free the parameters and hook its output so that
+backward gathers them again:
+""")
+
+code(r"""
+print(inspect.getsource(FSDP._pre_forward))
+print(inspect.getsource(FSDP._post_forward))
+print(inspect.getsource(FSDP._pre_backward))
+""")
+
+md(r"""
+The gather itself makes the full buffer's memory exist again (`resize_` of its storage, the trick
+PyTorch's FSDP uses too), all-gathers the shards into it, and, once it has arrived, points the module's
+attributes at views of it. Autograd saved those same views for backward, so when a unit is gathered
+again for its backward they find their data:
+""")
+
+code(r"""
+print(inspect.getsource(Unit.gather))
+print(inspect.getsource(Unit._install))
+""")
+
+md(r"""
+The reduce-scatter is launched by the gradient-sync engine of Chapter 4 (`nanodist.sync.GradSync`): a
+unit's full parameter buffer is one "parameter" of the engine, whose hook fires when its gradient is
+complete, and the engine launches the units' reduce-scatters in the same order on every rank and
+waits for all of them at the end of backward.
+
+## Proven equal to torch FSDP2 and to one process
+
+`tests/test_fsdp.py` trains the same GPT for 20 steps three ways, nanodist FSDP, torch FSDP2 with the
+same units, and one process on the whole batch, at 1, 2, 3 and 4 ranks, with a tied embedding and
+units whose sizes do not divide by 3, and in bf16. Losses and parameters agree (to `allclose`;
+nanodist's flat reduction adds numbers in another order than one process does, and the test checks
+that its distance from one process is within three times FSDP2's own). The chapter's lab trains the lab
+GPT with DDP, ZeRO-1, ZeRO-2, nanodist FSDP and torch FSDP2 from the same weights on the same data;
+the five runs follow each other step for step:
+""")
+
+code(r"""
+timed = nd.launch("lab05_fsdp", nproc=2, echo=False, args=["--no-progress"])
+t = timed.results["metrics"]
+impls = t["impls"]
+print("\n".join(line.strip() for line in timed.lines(0) if line.strip().startswith(("ddp", "zero", "fsdp", "ratio", "nanodist"))))
+""", TIMING)
+
+code(r"""
+for name in ("zero1", "zero2", "fsdp", "fsdp2"):
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(impls[name]["losses"], impls["ddp"]["losses"])), name
+    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(impls[name]["grad_norms"], impls["ddp"]["grad_norms"])), name
+Table({"step": s, **{name: round(impls[name]["losses"][s], 4) for name in impls}} for s in (0, 1, 5, 10, 19))
+""")
+
+md(r"""
+The gradient norms agree as well, which is a check worth making on your own machine before you trust
+FSDP2 on CPU. In some torch releases gloo's `ReduceOp.AVG` silently *summed* in FSDP2's
+reduce-scatter, so gradients came out $N$ times too large (pytorch/pytorch#162338). AdamW hides such
+an error, because its update $m/\sqrt{v}$ barely changes when every gradient is scaled by the same
+factor, but the gradient norm shows it at once, and so would SGD. With this torch FSDP2 averages
+correctly. On an affected release, `model.set_force_sum_reduction_for_comms(True)` makes FSDP2 reduce
+with `SUM` and divide by $N$ itself. nanodist always reduces with `SUM` and divides.
+
+One more trap, which the lab avoids: build the device mesh for a CPU run explicitly on the CPU
+(`init_device_mesh("cpu", ...)`; `nd.Group.device_mesh` does). On a machine with GPUs, `fully_shard`
+with a gloo group and no mesh would put the parameters on a GPU.
+
+## The timeline of a step
+
+`FSDP(..., observer=FSDPTimeline())` records when each unit's all-gather started and arrived, when its
+parameters were freed, and its reduce-scatter. One launch of Lab 5 records a step with prefetch and
+one without, the same step's memory, operation by operation, and two more measurements that the next
+sections use:
+""")
+
+code(r"""
+lab = nd.launch("lab05_fsdp", nproc=2, echo=False,
+                args=["--memory-only", "--timeline", "--checkpointing-compare", "--steps", "6", "--no-progress"])
+m = lab.results["metrics"]
+tl = m["timeline"]
+caption("prov_lab", lab.results)
+glue("prefetch_ms", 1e3 * tl["prefetch"]["step_s"], display=False)
+glue("no_prefetch_ms", 1e3 * tl["no_prefetch"]["step_s"], display=False)
+plots.fsdp_timeline({"prefetch on": tl["prefetch"]["events"], "prefetch off": tl["no_prefetch"]["events"]})
+plt.show()
+""", TIMING)
+
+md(r"""
+{glue:md}`prov_lab`
+
+Read a panel from the top left. Forward gathers the root and then each block in turn (light: the
+all-gather in flight; dark: the parameters gathered); each block is freed as soon as its forward is
+done. Backward runs the blocks in reverse order, gathering each one again, and its reduce-scatter (red)
+starts the moment its gradient is complete; the engine waits for all of them when backward ends, which
+is why every red bar reaches the end. The root stays gathered throughout, as in FSDP2: it is needed
+first in forward and last in backward.
+
+With prefetch, block $i+1$'s all-gather starts when block $i$ starts computing, in forward, and block
+$i-1$'s when block $i$'s backward starts. The check below reads the events:
+""")
+
+code(r"""
+def held_at_once(events):
+    live, most = set(), 0
+    for e in events:
+        if e["unit"] == "root":
+            continue
+        if e["event"] == "gather_started":
+            live.add(e["unit"])
+        elif e["event"] == "freed":
+            live.discard(e["unit"])
+        most = max(most, len(live))
+    return most
+
+
+on, off = tl["prefetch"]["events"], tl["no_prefetch"]["events"]
+order = [(e["unit"], e["event"]) for e in on]
+assert order.index(("blocks.1", "gather_started")) < order.index(("blocks.0", "freed"))  # prefetched in forward
+assert held_at_once(on) == 2 and held_at_once(off) == 1
+print("blocks gathered at once, at most: with prefetch", held_at_once(on), "- without", held_at_once(off))
+""")
+
+md(r"""
+Prefetch holds two blocks at once instead of one, and in exchange the next block's parameters are
+(partly) on their way while the current one computes. Here, the step with prefetch took
+{glue:text}`prefetch_ms:.1f` ms and the one without {glue:text}`no_prefetch_ms:.1f` ms: on two CPU cores
+the all-gather competes with the computation for the same cores, so overlap gains less than on a GPU,
+where the collective runs alongside the compute kernels (though NCCL's kernels take some of the
+GPU's multiprocessors to do it).
+
+## Memory over one step
+
+`nanodist.memory` counts memory itself, so it works on CPU, where torch keeps no allocation
+statistics. An `AllocationTracker` (a `TorchDispatchMode`) sees every operation's output; a storage
+created in the step is counted from then until a weak reference says it was freed, and storage resizes
+(how FSDP allocates and frees a gathered unit) are counted as they happen. `LiveBytes` adds which of
+those bytes are saved activations (through autograd's saved-tensor hooks) and which are gathered units
+(FSDP's events). On a GPU, `torch.cuda.max_memory_allocated` measures the same peak from the
+allocator. Here is one FSDP step and one DDP step of the lab GPT, on rank 0:
+""")
+
+code(r"""
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharey=True)
+for ax, name in zip(axes, ("ddp", "fsdp")):
+    plots.memory_over_step(tl["memory_trace"][name]["trace"], ax=ax)
+    ax.set_title(f"{name.upper()}: bytes allocated during one step", fontsize=10, loc="left")
+axes[0].get_legend().remove()
+plt.tight_layout()
+plt.show()
+""")
+
+md(r"""
+{glue:md}`prov_lab`
+
+Both curves climb through forward as activations are saved and fall through backward as they are
+used. The picture makes the point of the rest of this chapter: at this micro-batch (8 sequences of 64
+tokens), **activations dominate**. Above the orange band are gradients and temporaries. DDP's
+gradients live in its buckets, allocated once and kept from step to step, so they count as held and
+sit below this curve's zero; FSDP's gradient shards are made by each step's reduce-scatters and stay
+until `zero_grad` (the level after the optimizer). FSDP's blue band is the gathered units: at most two
+blocks and the root.
+
+The **peak** of a rank is what it holds throughout (parameters or their shards, the optimizer state,
+and for DDP its gradient buckets) plus the highest point of the curve. Its parts can be predicted: the shards (with
+the gradient shards), two gathered units and the root, one unit's full gradient before its
+reduce-scatter, and the saved activations. Lab 5 prints the comparison:
+""")
+
+code(r"""
+bound = max(impls["fsdp"]["peak_bound"], key=lambda b: b["peak"] / b["bound"])
+parts = ["shards", "units", "unit_grad", "activations"]
+assert bound["peak"] <= bound["bound"]
+glue("peak_ratio", bound["peak"] / (bound["bound"] - bound["unit_grad"]), display=False)
+Table([{**{p: f"{bound[p] / MiB:.2f} MiB" for p in parts}, "sum": f"{bound['bound'] / MiB:.2f} MiB",
+        "measured peak": f"{bound['peak'] / MiB:.2f} MiB"}])
+""")
+
+md(r"""
+The measured peak stays under the sum of its parts; without the gradient term it is
+{glue:text}`peak_ratio:.2f` × shards + two units + activations. It is below the sum because the parts
+do not peak together: the activations are largest at the end of forward, when no gradient exists yet.
+
+### Model states: the formula for all four stages
+
+Lab 5's `--memory-only` mode trains one step at each stage, DDP (0), DistAdamW at stages 1 and 2 and
+FSDP (3), and measures every tensor the ranks hold, as Chapter 4 did for stages 0 to 2. Two more
+launches give 1 and 4 ranks:
+""")
+
+code(r"""
+stages = {2: lab.results}
+for n in (1, 4):
+    stages[n] = nd.launch("lab05_fsdp", nproc=n, echo=False,
+                          args=["--memory-only", "--steps", "1", "--no-progress"]).results
+runs = [{"label": s["label"], "stage": s["stage"], "world_size": n, "rank": r, "num_params": s["num_params"], **rep}
+        for n in (1, 2, 4) for s in stages[n]["metrics"]["memory"] for r, rep in enumerate(s["memory"])]
+table = memory_table(runs, param_bytes=4, grad_bytes=4, optim_bytes_per_param=8)
+for row in table:  # every rank of every run: exact, but for AdamW's step counters
+    assert row["params_measured"] == row["params_formula"] and row["grads_measured"] == row["grads_formula"]
+    assert row["optimizer_state_measured"] - row["state_scalars"] == row["optimizer_state_formula"]
+plots.zero_memory(table.where(rank=0))
+plt.show()
+""")
+
+code(r"""
+n_params = runs[0]["num_params"]
+per_rank = {(r["world_size"], r["stage"]): r["total_measured"] for r in table.where(rank=0)}
+ratio_w2 = per_rank[2, 3] / per_rank[2, 0]
+assert ratio_w2 <= 0.52
+glue("n_params", n_params, display=False)
+glue("stage3_w2", ratio_w2, display=False)
+glue("stage3_w4", per_rank[4, 3] / per_rank[4, 0], display=False)
+""")
+
+md(r"""
+The lab GPT has {glue:text}`n_params:,` parameters, and every unit's size divides by 1, 2 and 4, so
+stage 3 holds exactly $16\Psi/N$ bytes here: {glue:text}`stage3_w2:.2f` of DDP's bytes per rank at 2
+ranks and {glue:text}`stage3_w4:.2f` at 4 (fp32, AdamW; the extra is the step counters, one per
+parameter shard). At stage 3 every bar shrinks with $N$; at stage 2 the parameters do not.
+
+## Communication volume, measured
+
+FSDP's timeline says how many bytes each unit gathered and reduced. Every rank sends $\frac{N-1}{N}$ of
+each buffer in a ring, so the lab adds up what a rank sent in one step and compares it with what DDP's
+all-reduce of the same gradients sends:
+""")
+
+code(r"""
+predicted = t["bytes_per_step_predicted"]
+measured = impls["fsdp"]["bytes_sent"]
+assert abs(measured / predicted["fsdp"] - 1) < 0.02
+glue("sent_ratio", t["ratio_bytes_sent_fsdp_vs_ddp"], display=False)
+glue("pad_pct", 100 * (measured / predicted["fsdp"] - 1), display=False)
+Table([{"": "bytes per rank and step", "DDP (cost model)": f"{predicted['ddp'] / MiB:.2f} MiB",
+        "FSDP (cost model)": f"{predicted['fsdp'] / MiB:.2f} MiB", "FSDP (counted in the run)": f"{measured / MiB:.2f} MiB"}])
+""")
+
+md(r"""
+FSDP sent {glue:text}`sent_ratio:.2f` × DDP's bytes, the predicted 1.5 to within the padding of the
+units' buffers ({glue:text}`pad_pct:.2f` %) and the root, which is gathered once per step instead of twice
+(it stays gathered between forward and backward) while its gradient is reduce-scattered like every
+other unit's.
+
+## Time per step
+
+The same timed run compares the implementations step by step, taking turns so that a disturbance on
+the machine hits all of them alike:
+""")
+
+code(r"""
+ratio = t["ratio_step_fsdp_vs_fsdp2"]
+assert 0 < ratio < 3
+caption("prov_timed", timed.results)
+glue("fsdp_vs_fsdp2", ratio, display=False)
+step_ms = {name: 1e3 * r["median_step_s"] for name, r in impls.items()}
+plots.bars(list(step_ms), list(step_ms.values()), "median step (ms)", "step time, 2 gloo ranks")
+plt.show()
+""", TIMING)
+
+md(r"""
+{glue:md}`prov_timed`
+
+A nanodist FSDP step took {glue:text}`fsdp_vs_fsdp2:.2f` × as long as an FSDP2 step on the same model and
+units. Two things explain most of the difference on CPU ranks, and neither is FSDP's algorithm.
+gloo has no true reduce-scatter: `reduce_scatter_tensor` runs a whole all-reduce and keeps one
+slice, so FSDP2 on gloo sends twice the gradient bytes it needs, where nanodist uses its own ring
+reduce-scatter (Chapter 2). And FSDP2 copies every unit's shards into a flat buffer before each
+all-gather and out of it afterwards, the price of its per-parameter layout. With NCCL on GPUs both
+differences shrink: NCCL has a true reduce-scatter, and the copies run at GPU memory bandwidth.
+
+FSDP is slower than DDP here: it sends 1.5 × the bytes, and it waits for every gather before a unit
+can compute. What it buys is memory.
+
+## Fitting in a budget
+
+`--budget MiB` marks the configurations whose peak per rank fits. With a small micro-batch the
+activations shrink and the model states are most of the memory, which is where FSDP helps:
+""")
+
+code(r"""
+budget = nd.launch("lab05_fsdp", nproc=2, echo=False,
+                   args=["--micro-batch", "1", "--budget", "10", "--steps", "6", "--no-progress"])
+b = budget.results["metrics"]["impls"]
+caption("prov_budget", budget.results)
+print("\n".join(line.strip() for line in budget.lines(0) if line.strip().startswith(("ddp", "zero", "fsdp"))))
+""", TIMING)
+
+code(r"""
+fits = {name: r["fits_budget"] for name, r in b.items()}
+glue("peak8_fsdp", max(mem["peak"] for mem in impls["fsdp"]["memory"]) / MiB, display=False)
+glue("peak8_ddp", max(mem["peak"] for mem in impls["ddp"]["memory"]) / MiB, display=False)
+assert not fits["ddp"] and fits["fsdp"] and fits["fsdp2"]
+peaks = {name: max(mem["peak"] for mem in r["memory"]) / MiB for name, r in b.items()}
+Table({"configuration": name, "peak per rank (MiB)": round(peaks[name], 2), "fits in 10 MiB": fits[name]} for name in b)
+""")
+
+md(r"""
+{glue:md}`prov_budget`
+
+At one sequence per micro-step, DDP and ZeRO-1/2 need more than 10 MiB per rank; both FSDPs fit.
+(nanodist's ZeRO-1 peaks higher than DDP: it keeps autograd's gradients and its bucket's all-reduced
+copy at the same time, where DDP's gradients *are* views of its buckets.) At 8 sequences FSDP's peak
+was {glue:text}`peak8_fsdp:.1f` MiB against DDP's {glue:text}`peak8_ddp:.1f` MiB: activations were most
+of it, and FSDP cannot shrink activations. Activation checkpointing can.
+
+## Activation checkpointing
+
+`torch.utils.checkpoint` runs a block's forward without saving its intermediate results, keeping only
+its input; in backward it runs the block's forward again to recompute them. nanodist's GPT does it per
+block with `model.activation_checkpointing = True` (the non-reentrant variant, which works with
+autograd hooks such as FSDP's). FSDP has to know: the recomputed forward happens inside backward, so
+the unit must stay gathered, and nanodist's hooks check for that. The lab measured both:
+""")
+
+code(r"""
+ck = m["checkpointing"]
+saved_ratio = ck["on"]["activations_max"] / ck["off"]["activations_max"]
+assert saved_ratio < 0.5 and ck["on"]["peak"] < ck["off"]["peak"]
+glue("ck_saved_off", ck["off"]["activations_max"] / MiB, display=False)
+glue("ck_saved_on", ck["on"]["activations_max"] / MiB, display=False)
+glue("ck_peak_off", ck["off"]["peak"] / MiB, display=False)
+glue("ck_peak_on", ck["on"]["peak"] / MiB, display=False)
+Table({"checkpointing": k, "saved activations (MiB)": round(v["activations_max"] / MiB, 2),
+       "peak per rank (MiB)": round(v["peak"] / MiB, 2)} for k, v in ck.items())
+""")
+
+code(r"""
+glue("ck_time_ratio", ck["on"]["median_step_s"] / ck["off"]["median_step_s"], display=False)
+print(f"step time with checkpointing / without: {ck['on']['median_step_s'] / ck['off']['median_step_s']:.2f}")
+""", TIMING)
+
+md(r"""
+Saved activations fell from {glue:text}`ck_saved_off:.1f` to {glue:text}`ck_saved_on:.1f` MiB and the
+peak from {glue:text}`ck_peak_off:.1f` to {glue:text}`ck_peak_on:.1f` MiB per rank; a step took
+{glue:text}`ck_time_ratio:.2f` × as long. The usual estimate is one more forward pass, about a third of
+the step's compute, since backward costs about twice the forward. Only block inputs are kept, so the
+activations now grow with the number of blocks times one block's input, and the largest single block's
+intermediates, recomputed one block at a time.
+
+## Mixed precision
+
+`FSDP(..., param_dtype=torch.bfloat16)` casts the fp32 shards to bf16 before the all-gather, so the
+gathered units, the compute, and the all-gathers are all in bf16: half the bytes. The shards (the master
+weights), their gradients and the optimizer state stay fp32, and the gradients are reduce-scattered in
+fp32 (`reduce_dtype=torch.bfloat16` halves those bytes too, at some cost in precision: a sum of many
+bf16 numbers loses their small parts). One process is enough to see the pieces:
+""")
+
+code(r"""
+text = generate_corpus(20_000, seed=0)
+tok = CharTokenizer(text)
+tokens = torch.tensor(tok.encode(text))
+
+
+def train(param_dtype, steps=30):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=32))
+    fsdp = FSDP(model, units=list(model.blocks), param_dtype=param_dtype)   # a world of one: no process group
+    opt = torch.optim.AdamW(fsdp.configure_param_groups(0.1), lr=3e-3)
+    stream = TokenStream(tokens, batch_size=8, block_size=32, rank=0, world_size=1, seed=0)
+    losses = []
+    for _ in range(steps):
+        x, y = next(stream)
+        loss = fsdp(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return fsdp, losses
+
+
+fp32, losses32 = train(None)
+bf16, losses16 = train(torch.bfloat16)
+unit = bf16.units[0]
+x, y = next(TokenStream(tokens, batch_size=8, block_size=32, rank=0, world_size=1, seed=1))
+bf16(x, y)[1].backward()
+grad = next(bf16.parameters()).grad
+print("shard:", unit.shard.dtype, "| gathered parameters:", unit.full.dtype, "| gradient shard:", grad.dtype)
+print(f"gathered bytes of {unit.name}: fp32 {fp32.units[0].full_bytes} B, bf16 {unit.full_bytes} B")
+assert unit.shard.dtype == grad.dtype == torch.float32 and unit.full.dtype == torch.bfloat16
+assert unit.full_bytes * 2 == fp32.units[0].full_bytes
+assert abs(losses16[-1] - losses32[-1]) < 0.05 * losses32[-1] and losses16[-1] < losses16[0] - 0.5
+Table({"step": s, "fp32 loss": round(losses32[s], 3), "bf16 compute loss": round(losses16[s], 3)} for s in (0, 9, 19, 29))
+""")
+
+md(r"""
+The curves agree to bf16's precision. The equivalence test runs the same comparison against FSDP2's
+`MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` at 2 and 3 ranks.
+
+## Which one to use
+
+The measured ratios of this chapter and the last, at 2 ranks, in one table (bytes sent from the cost
+model; step times are this machine's and move with it):
+""")
+
+code(r"""
+states = {s: per_rank[2, s] for s in range(4)}
+peak1 = {name: max(mem["peak"] for mem in r["memory"]) for name, r in b.items()}
+names = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
+labels = {0: "DDP", 1: "ZeRO-1 (DistAdamW, stage 1)", 2: "ZeRO-2 (DistAdamW)", 3: "FSDP"}
+use = {0: "the model, its gradients and Adam's state fit on one device",
+       1: "the optimizer state does not fit; the gradients do",
+       2: "as ZeRO-1, a little less memory, the same traffic as DDP",
+       3: "the parameters themselves do not fit: the only choice"}
+decision = Table({"method": labels[s], "model states / DDP's": round(states[s] / states[0], 2),
+                  "bytes sent / DDP's": round(bytes_per_step(names[s], 1, 2) / bytes_per_step("ddp", 1, 2), 2),
+                  "step time / DDP's": round(impls[names[s]]["median_step_s"] / impls["ddp"]["median_step_s"], 2),
+                  "peak / DDP's (1 sequence)": round(peak1[names[s]] / peak1["ddp"], 2),
+                  "use when": use[s]} for s in range(4))
+decision
+""", TIMING)
+
+md(r"""
+{glue:md}`prov_timed`
+
+Read it from the top: use the first method whose memory fits. Sharding more never makes a step
+cheaper in communication, and on a real cluster the difference shows where the network is slow
+(across nodes) and the model small. The trade turns at large scale: with billions of parameters a
+step's compute grows faster than its communication, and prefetch hides the gathers; that is why
+large models train with FSDP, often combined with tensor and pipeline parallelism.
+
+## Summary
+
+- FSDP (ZeRO-3) keeps $1/N$ of every parameter on each rank and gathers a unit's parameters only while
+  it computes: forward gathers and frees, backward gathers again and reduce-scatters the gradient.
+  The model states fall to $(2 + 2 + K)\Psi/N$; the communication rises to $3\frac{N-1}{N}\Psi$, 1.5 ×
+  DDP's, both measured here.
+- nanodist's units are flat padded buffers cut in $N$ equal pieces; FSDP2 cuts each parameter along
+  dim 0 (`DTensor` `Shard(0)`). Flat is one contiguous collective with no copies; per-parameter keeps
+  shapes, which whole-matrix optimizers and checkpoints want.
+- Prefetch overlaps the next unit's gather with the current unit's compute, at the cost of one more
+  gathered unit.
+- A step's peak is shards + gathered units + activations + gradients and temporaries in flight; the
+  chapter predicted it from its parts and measured it with its own allocation accounting.
+- FSDP cannot shrink activations; activation checkpointing trades about one more forward for most of
+  them. Mixed precision halves the gathered bytes.
+
+## Exercises
+""")
+
+exercise(
+    "5.1",
+    "A model of 1.5 billion parameters trains in bf16 (2 bytes per parameter) with FSDP on 8 GPUs. How many "
+    "GB (1e9 bytes) does each GPU send per step to keep it in sync, with `reshard_after_forward=True`?",
+    'bytes_per_step("fsdp", 2 * 1.5e9, 8) / 1e9, rel_tol=1e-3',
+    "answer = ...   # GB per GPU and step",
+    "How many collectives touch each unit in one step, and what fraction of a buffer does each rank send in a ring?",
+    "answer = 3 * (8 - 1) / 8 * 2 * 1.5e9 / 1e9   # two all-gathers and one reduce-scatter, (N-1)/N of 3 GB each")
+
+exercise(
+    "5.2",
+    "A unit is one `nn.Linear(100, 30)` (a 30 × 100 weight, then a bias of 30). nanodist's FSDP shards it over 4 "
+    "ranks. How many padding elements does its flat buffer get, and which ranks hold part of the bias? Answer as "
+    "`(padding, [ranks])`. Work it out by hand, then check with `flat_layout`.",
+    "(sum(b - a for pieces in flat_layout([3000, 30], 4) for k, a, b in pieces if k is None), "
+    "[r for r, pieces in enumerate(flat_layout([3000, 30], 4)) if any(k == 1 for k, _, _ in pieces)])",
+    "answer = ...   # (padding, [ranks holding bias elements])",
+    "The buffer is the weight's elements followed by the bias's, padded to a multiple of 4; every rank gets one "
+    "equal, contiguous piece.",
+    "total = 30 * 100 + 30                       # 3030 elements\n"
+    "piece = -(-total // 4)                      # ceil(3030 / 4) = 758 each, 3032 in all\n"
+    "padding = 4 * piece - total                 # 2\n"
+    "bias = range(3000, 3030)                    # the bias's positions in the buffer\n"
+    "answer = (padding, sorted({i // piece for i in bias}))")
+
+exercise(
+    "5.3",
+    "Write `fsdp_bytes_per_rank(num_params, world_size)`: the bytes of parameters, gradients and AdamW state "
+    "one rank holds under FSDP in fp32 with AdamW (as Lab 5 runs it), ignoring padding and step counters. "
+    "The check tries it on model sizes and world sizes you do not see, and the measured table above shows "
+    "what it should give for the lab GPT.",
+    "cases=[((n, w), zero_memory_bytes(n, w, 3, 4, 4, 8)['total']) for n in (1000, 124_000_000, 7_000_000_000) "
+    "for w in (1, 3, 8)], rel_tol=1e-9",
+    "def fsdp_bytes_per_rank(num_params, world_size):\n    return ...\n\n\nanswer = fsdp_bytes_per_rank",
+    "Count bytes per parameter for each of the three kinds of model state in fp32 AdamW, then decide which of "
+    "them stage 3 divides.",
+    "def fsdp_bytes_per_rank(num_params, world_size):\n"
+    "    return (4 + 4 + 8) * num_params / world_size   # fp32 parameter, fp32 gradient, two fp32 moments: all sharded\n\n\n"
+    "answer = fsdp_bytes_per_rank")
+
+exercise(
+    "5.4",
+    "With prefetch on, the lab's FSDP held at most two blocks gathered at once, besides the root. Suppose you "
+    "turned `reshard_after_forward` off (each block stays gathered from its forward until its backward). How many "
+    "of the lab GPT's blocks are gathered at the end of forward?",
+    "4",
+    "answer = ...   # the lab GPT's 'small' preset has 4 blocks",
+    "A block is freed when it is no longer needed; without resharding after forward, when is that?",
+    "answer = 4   # every block stays gathered until its backward: the whole model, as in ZeRO-2")
+
+nb = nbf.v4.new_notebook(cells=cells)
+nb.metadata.update({"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                    "language_info": {"name": "python"}})
+out = Path(__file__).resolve().parents[1] / "05_fsdp.ipynb"
+nbf.write(nb, out)
+print(f"wrote {out}")
