@@ -253,3 +253,25 @@ def bytes_per_step(strategy: str, model_bytes: float, world_size: int) -> float:
     if strategy not in SYNC_COLLECTIVES:
         raise ValueError(f"strategy must be one of {', '.join(SYNC_COLLECTIVES)}, got {strategy!r}")
     return sum(times * busbw_factor(op, world_size) * model_bytes for op, times in SYNC_COLLECTIVES[strategy])
+
+
+# ----------------------------------------------------------------------------- how often to checkpoint
+
+def young_daly_interval(save_s: float, mtbf_s: float) -> float:
+    """Young's checkpoint interval: seconds of training between saves that minimise the expected time lost,
+    sqrt(2 C M) for a save that blocks training C seconds and failures every M seconds on average (Young 1974;
+    Daly 2006 refines it when C is not small against M: use it while C < M / 2)."""
+    if not save_s > 0 or not mtbf_s > 0:
+        raise ValueError(f"the save time and the mean time between failures must be positive seconds, got "
+                         f"{save_s!r} and {mtbf_s!r}")
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def checkpoint_overhead(interval_s: float, save_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """Expected fraction of the run's time lost to checkpointing every `interval_s` seconds of training, to first
+    order: the saves (save_s / interval_s) plus, per failure (one every mtbf_s), the work since the last save
+    (half an interval on average) and the restart."""
+    if not interval_s > 0 or not mtbf_s > 0 or save_s < 0 or restart_s < 0:
+        raise ValueError(f"need interval_s > 0, mtbf_s > 0 and non-negative save_s and restart_s, got "
+                         f"{interval_s!r}, {mtbf_s!r}, {save_s!r}, {restart_s!r}")
+    return save_s / interval_s + (interval_s / 2.0 + restart_s) / mtbf_s

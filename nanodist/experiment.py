@@ -188,14 +188,15 @@ def build_model(args, vocab_size: int, device) -> GPT:
 
 def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "adamw", name: str | None = None,
           zero_stage: int | None = None, record_timeline: bool = False, recorder=None,
-          weight_decay: float = 0.1, observer=None) -> Run:
+          weight_decay: float = 0.1, observer=None, checkpoints=None, checkpoint_every: int = 0) -> Run:
     """A Run: model (wrapped as `wrapper`), optimizer, data streams of this rank, and its Trainer."""
     if wrapper not in WRAPPERS or optimizer not in OPTIMIZERS:
         raise ValueError(f"wrapper must be one of {WRAPPERS} and optimizer one of {OPTIMIZERS}, got {wrapper!r}, "
                          f"{optimizer!r}")
     if (wrapper == "none") != optimizer.startswith("dist-"):  # (and FSDP shards the parameters: AdamW steps them)
-        raise ValueError(f"a sharded optimizer averages the gradients itself: use wrapper='none' with "
-                         f"{optimizer!r} (and a DDP wrapper with 'adamw'), got wrapper={wrapper!r}")
+        raise ValueError(f"wrapper='none' (the bare model) goes with a sharded optimizer ('dist-adamw', 'dist-muon'), "
+                         f"which averages the gradients itself, and every other wrapper with 'adamw'; got "
+                         f"wrapper={wrapper!r} with optimizer={optimizer!r}")
     group = Group.local(group.device) if wrapper == "single" else group
     name = name or wrapper
     raw = build_model(args, data.vocab_size, group.device)
@@ -241,9 +242,9 @@ def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "ada
     cfg = TrainConfig(steps=args.steps, total_batch_tokens=total_batch(args, group.size),
                       micro_batch=args.micro_batch, seq_len=args.seq_len, lr=args.lr, warmup_steps=5,
                       dtype=args.dtype, eval_batches=2, log_every=0, progress=False, wandb=args.wandb,
-                      run_name=f"{name}-{group.size}ranks")
+                      run_name=name, checkpoint_every=checkpoint_every)
     trainer = Trainer(model, opt, train, cfg, val_data=stream(data.val, args.seed + 1), recorder=recorder,
-                      group=group)
+                      group=group, checkpoints=checkpoints)
     return Run(name, raw, model, opt, trainer, train)
 
 

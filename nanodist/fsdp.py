@@ -442,18 +442,7 @@ class FSDP(nn.Module):
     def load_full_state_dict(self, state: dict) -> None:
         """Load whole parameters (what full_state_dict() or the bare model's state_dict() holds) into the shards;
         every rank passes the same dict (e.g. torch.load on each)."""
-        for unit in self.units:
-            self._load_whole(unit, state)
-
-    @staticmethod
-    def _load_whole(unit: Unit, state: dict) -> None:
-        for name, shape, (s, e, start) in zip(unit.names, unit.shapes, unit.local):
-            if name not in state:
-                raise KeyError(f"FSDP.load_full_state_dict: no entry for parameter {name!r}")
-            if tuple(state[name].shape) != tuple(shape):
-                raise ValueError(f"FSDP.load_full_state_dict: {name!r} has shape {tuple(state[name].shape)}, the "
-                                 f"model {tuple(shape)}")
-            unit.shard[s:e].copy_(state[name].reshape(-1)[start:start + (e - s)])
+        self.load_state_dict(state)
 
     def _row_ranges(self, unit: Unit, rank: int) -> list[tuple[int, int]]:
         """Where each parameter's dim-0 chunk for `rank` (torch.chunk's rule, DTensor Shard(0)'s) lies in the unit's
@@ -461,59 +450,197 @@ class FSDP(nn.Module):
         chunks = dim0_layout(unit.shapes, self.world_size)[rank]
         return [(o + a, o + b) for o, (_, a, b) in zip(unit.offsets, chunks)]
 
+    def _to_param_layout(self, unit: Unit, flat: torch.Tensor, names=None, group: Group | None = None) -> dict:
+        """This rank's flat piece of a unit-sized vector (the shard, or an optimizer state laid out like it) as
+        one tensor per parameter in FSDP2's layout: a DTensor Shard(0) of the parameter's shape holding this
+        rank's dim-0 chunk (a plain tensor in a world of one; 0-D parameters whole). One all-to-all per unit,
+        on `group` (the same ranks as this FSDP's, in the same order; default: its own)."""
+        from torch.distributed.tensor import DTensor, Shard
+        W, r = self.world_size, self.group.rank
+        group = self.group if group is None else group
+        have = [(q * unit.shard_numel, (q + 1) * unit.shard_numel) for q in range(W)]
+        want = [self._row_ranges(unit, q) for q in range(W)]
+        pieces = exchange_ranges(flat, have, want, group)
+        whole = None
+        out = {}
+        for name, shape, (a, b), piece in zip(unit.names, unit.shapes, want[r], pieces):
+            if names is not None and name not in names:
+                continue
+            if len(shape) == 0:
+                if whole is None:  # every rank takes part in the gather, whichever parameter needs it
+                    whole = self._gather_flat(unit, flat, group)
+                k = unit.names.index(name)
+                out[name] = whole[unit.offsets[k]:unit.offsets[k] + 1].view(()).clone()
+                continue
+            rows = (b - a) // (shape.numel() // shape[0]) if shape[0] else 0
+            local = piece.view(rows, *shape[1:])
+            out[name] = (DTensor.from_local(local, group.device_mesh, [Shard(0)], run_check=False,
+                                            shape=shape, stride=torch.empty(shape, device="meta").stride())
+                         if W > 1 else local)
+        if whole is None and any(len(shape) == 0 for shape in unit.shapes) and W > 1:
+            self._gather_flat(unit, flat, group)  # keep the collectives in step when the 0-D one was filtered out
+        return out
+
+    def _from_param_layout(self, unit: Unit, tensors: dict, dtype: torch.dtype) -> torch.Tensor:
+        """The inverse: from one tensor per parameter -- whole (a full state dict, the bare model's) or DTensor
+        chunks of this world size (what torch.distributed.checkpoint hands back) -- to this rank's flat piece
+        (padding zero). A collective when DTensors come in."""
+        W, r = self.world_size, self.group.rank
+        flat = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.shard.device)
+        if all(not hasattr(tensors[n], "to_local") for n in unit.names):
+            for name, shape, (s, e, start) in zip(unit.names, unit.shapes, unit.local):
+                if tuple(tensors[name].shape) != tuple(shape):
+                    raise ValueError(f"FSDP: {name!r} has shape {tuple(tensors[name].shape)}, the model {tuple(shape)}")
+                flat[s:e].copy_(tensors[name].reshape(-1)[start:start + (e - s)])
+            return flat
+        chunks = []
+        for name, shape in zip(unit.names, unit.shapes):
+            t = tensors[name]
+            if not hasattr(t, "to_local"):  # a 0-D parameter comes whole: this rank's chunk of it
+                a, b = self._row_ranges(unit, r)[unit.names.index(name)]
+                o = unit.offsets[unit.names.index(name)]
+                chunks.append(t.reshape(-1)[a - o:b - o].to(dtype))
+                continue
+            if t.device_mesh.size() != W:
+                raise ValueError(f"FSDP: {name!r} is sharded over {t.device_mesh.size()} ranks, this run has {W}: "
+                                 f"load it through torch.distributed.checkpoint, which reshards")
+            chunks.append(t.to_local().reshape(-1).to(dtype))
+        have = [self._row_ranges(unit, q) for q in range(W)]
+        want = [[(q * unit.shard_numel, (q + 1) * unit.shard_numel)] for q in range(W)]
+        (mine,) = exchange_ranges(torch.cat(chunks), have, want, self.group, multi_have=True)
+        valid = min(unit.shard_numel, max(0, unit.numel - r * unit.shard_numel))  # the padding stays zero
+        flat[:valid].copy_(mine[:valid])
+        return flat
+
+    def _gather_flat(self, unit: Unit, flat: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+        full = torch.empty(unit.padded, dtype=flat.dtype, device=flat.device)
+        all_gather(full.view(self.world_size, unit.shard_numel), flat, self.group if group is None else group,
+                   ring=False).wait()
+        return full
+
     @torch.no_grad()
     def state_dict(self, *args, **kwargs) -> dict:
         """Every parameter by its original name, as a DTensor Shard(0) of its own shape: this rank's dim-0 chunk
         (torch.chunk's rule) -- torch FSDP2's layout, which torch.distributed.checkpoint saves and loads at any
         world size. The flat padded shard is a runtime layout, so the chunks are moved there with one all-to-all
         per unit. A collective: every rank calls it. (0-D parameters come whole, on every rank.)"""
-        from torch.distributed.tensor import DTensor, Shard
-        W, r = self.world_size, self.group.rank
         out = {}
         for unit in self.units:
-            have = [(q * unit.shard_numel, (q + 1) * unit.shard_numel) for q in range(W)]
-            want = [self._row_ranges(unit, q) for q in range(W)]
-            pieces = exchange_ranges(unit.shard, have, want, self.group)
-            for name, shape, (a, b), piece in zip(unit.names, unit.shapes, want[r], pieces):
-                if len(shape) == 0:
-                    out[name] = self.full_tensor(unit, name).clone()
-                    continue
-                rows = (b - a) // (shape.numel() // shape[0]) if shape[0] else 0
-                local = piece.view(rows, *shape[1:])
-                out[name] = (DTensor.from_local(local, self.group.device_mesh, [Shard(0)], run_check=False,
-                                                shape=shape, stride=torch.empty(shape, device="meta").stride())
-                             if W > 1 else local)
+            out.update(self._to_param_layout(unit, unit.shard))
         return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         """Load what state_dict() returned (DTensor chunks of this world size, as torch.distributed.checkpoint
         hands them back) or whole tensors (full_state_dict(), the bare model's state_dict()). A collective."""
-        W, r = self.world_size, self.group.rank
         for unit in self.units:
             missing = [n for n in unit.names if n not in state_dict]
-            if missing and strict:
+            if missing:
                 raise KeyError(f"FSDP.load_state_dict: no entry for {', '.join(missing[:5])}")
-            if all(not hasattr(state_dict.get(n), "to_local") for n in unit.names):
-                self._load_whole(unit, state_dict)
-                continue
-            chunks = []
-            for name, shape in zip(unit.names, unit.shapes):
-                t = state_dict[name]
-                if t.device_mesh.size() != W:
-                    raise ValueError(f"FSDP.load_state_dict: {name!r} is sharded over {t.device_mesh.size()} ranks, "
-                                     f"this run has {W}: load it through torch.distributed.checkpoint, which reshards")
-                chunks.append(t.to_local().reshape(-1).to(unit.shard.dtype))
-            have = [self._row_ranges(unit, q) for q in range(W)]
-            want = [[(q * unit.shard_numel, (q + 1) * unit.shard_numel)] for q in range(W)]
-            (mine,) = exchange_ranges(torch.cat(chunks), have, want, self.group, multi_have=True)
-            valid = min(unit.shard_numel, max(0, unit.numel - r * unit.shard_numel))  # the padding stays zero
-            unit.shard[:valid].copy_(mine[:valid])
+            unit.shard.copy_(self._from_param_layout(unit, state_dict, unit.shard.dtype))
+
+    # --- the optimizer's state, in the same layout ----------------------------------------------------
+
+    def _view_owner(self) -> dict:
+        return {id(v): (unit, j) for unit in self.units for j, v in enumerate(unit.views)}
+
+    @torch.no_grad()
+    def optimizer_state_dict(self, optimizer) -> dict:
+        """`optimizer.state_dict()` (a torch optimizer stepping this FSDP's shards) keyed by parameter name, its
+        per-element state (AdamW's moments, a momentum) as DTensor Shard(0) of each parameter's shape, like
+        state_dict(): independent of the world size and of how the units are packed. A collective."""
+        return self._optimizer_layout(self._optimizer_flats(optimizer), self.group)
+
+    @torch.no_grad()
+    def state_snapshot(self, optimizer=None):
+        """Copy this rank's shards and the optimizer's state now, without communicating, and return
+        `layout(group=None) -> (state_dict(), optimizer_state_dict())` of that copy: a collective on `group` (the
+        same ranks; default this FSDP's), which may run later, in another thread -- an asynchronous save takes the
+        snapshot between steps and lays it out in the background on a process group of its own."""
+        cpu = torch.device("cpu")  # the copy waits in host memory (a GPU's memory is the training's)
+        shards = [unit.shard.detach().to(cpu, copy=True) for unit in self.units]
+        opt = self._optimizer_flats(optimizer, cpu) if optimizer is not None else None
+
+        def layout(group: Group | None = None):
+            model = {}
+            for unit, flat in zip(self.units, shards):
+                model.update(self._to_param_layout(unit, flat, group=group))
+            return model, (self._optimizer_layout(opt, group) if opt is not None else None)
+
+        return layout
+
+    def _optimizer_flats(self, optimizer, device: torch.device | None = None) -> dict:
+        """The optimizer's state copied into this rank's flat layout, one vector per unit and per-element key,
+        plus its scalars (copied) and parameter groups by name. No communication."""
+        owner = self._view_owner()
+        names = {id(v): n for unit in self.units for n, v in zip(unit.names, unit.views)}
+        sd = optimizer.state_dict()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(id(p) not in owner for p in params):
+            raise ValueError("FSDP.optimizer_state_dict: the optimizer steps parameters that are not this FSDP's "
+                             "shards (build it from fsdp.parameters() or fsdp.configure_param_groups())")
+        by_param = {id(p): sd["state"].get(i, {}) for i, p in enumerate(params)}
+        state: dict = {names[id(p)]: {} for p in params}
+        flats = []  # (unit, key, flat vector, the names that have this key)
+        for unit in self.units:
+            mine = [(j, v) for j, v in enumerate(unit.views) if id(v) in by_param]
+            keys = sorted({k for _, v in mine for k, t in by_param[id(v)].items()
+                           if torch.is_tensor(t) and k != "step" and t.shape == v.shape})
+            for k in keys:  # the same keys on every rank: every rank holds a (possibly empty) piece of every param
+                flat = torch.zeros(unit.shard_numel, dtype=torch.float32, device=device or unit.shard.device)
+                for j, v in mine:
+                    s, e, _ = unit.local[j]
+                    if k in by_param[id(v)]:
+                        flat[s:e].copy_(by_param[id(v)][k])
+                flats.append((unit, k, flat, {unit.names[j] for j, v in mine if k in by_param[id(v)]}))
+            for j, v in mine:
+                for k, t in by_param[id(v)].items():
+                    if k not in keys:  # scalars (AdamW's step): equal on every rank
+                        state[unit.names[j]][k] = t.detach().to(device or t.device, copy=True) if torch.is_tensor(t) else t
+        groups = [{**g, "params": [names[id(p)] for p in og["params"]]}
+                  for g, og in zip(sd["param_groups"], optimizer.param_groups)]
+        return {"state": state, "param_groups": groups, "flats": flats}
+
+    def _optimizer_layout(self, opt: dict, group: Group | None) -> dict:
+        state = {n: dict(st) for n, st in opt["state"].items()}
+        for unit, k, flat, with_key in opt["flats"]:
+            for name, t in self._to_param_layout(unit, flat, names=with_key, group=group).items():
+                state[name][k] = t
+        return {"state": state, "param_groups": opt["param_groups"]}
+
+    @torch.no_grad()
+    def load_optimizer_state_dict(self, optimizer, state_dict: dict) -> None:
+        """Load what optimizer_state_dict() returned (at this or, through torch.distributed.checkpoint, another
+        world size), or the same with whole tensors (a full checkpoint). A collective."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        names = {id(v): n for unit in self.units for n, v in zip(unit.names, unit.views)}
+        saved = state_dict["state"]
+        local: dict = {names[id(p)]: {} for p in params}
+        for unit in self.units:
+            mine = [(j, v) for j, v in enumerate(unit.views) if names.get(id(v)) in local]
+            keys = sorted({k for j, _ in mine for k, t in saved.get(unit.names[j], {}).items()
+                           if torch.is_tensor(t) and k != "step" and tuple(t.shape) == tuple(unit.shapes[j])})
+            for k in keys:
+                tensors = {n: saved[n][k] if k in saved.get(n, {}) else torch.zeros(shape)
+                           for n, shape in zip(unit.names, unit.shapes)}
+                flat = self._from_param_layout(unit, tensors, torch.float32)
+                for j, v in mine:
+                    if k in saved.get(unit.names[j], {}):
+                        s, e, _ = unit.local[j]
+                        local[unit.names[j]][k] = flat[s:e].clone()
+            for j, _ in mine:
+                for k, t in saved.get(unit.names[j], {}).items():
+                    if k not in keys:
+                        local[unit.names[j]][k] = t.to_local() if hasattr(t, "to_local") else t
+        order = [names[id(p)] for p in params]
+        torch_sd = {"state": {i: local[n] for i, n in enumerate(order) if local[n]},
+                    "param_groups": [{**g, "params": [order.index(n) for n in g["params"]]}
+                                     for g in state_dict["param_groups"]]}
+        optimizer.load_state_dict(torch_sd)
 
     def full_tensor(self, unit: Unit, name: str) -> torch.Tensor:
         """One parameter, whole, on every rank (an all-gather of its unit)."""
-        full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-        all_gather(full.view(self.world_size, unit.shard_numel), unit.shard, self.group, ring=False).wait()
+        full = self._gather_flat(unit, unit.shard)
         k = unit.names.index(name)
         return full[unit.offsets[k]:unit.offsets[k] + unit.shapes[k].numel()].view(unit.shapes[k])
 

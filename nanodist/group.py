@@ -101,6 +101,19 @@ class Group:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def broadcast_object(self, obj, src: int = 0):
+        """Member `src`'s `obj` on every member (the others' argument is ignored): one decision, shared."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.pg)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every member gets here (nothing to wait for in a world of one)."""
+        if self.size > 1:
+            dist.barrier(group=self.pg)
+
     @property
     def device_mesh(self):
         """torch's 1-D DeviceMesh over this group's ranks (for DTensor and FSDP2), built once per group."""

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import psutil
 
-from . import reaper as _reaper
 from .results import REPO_ROOT, load, new_run_id, results_dir
 from .runtime import free_port
 
@@ -67,6 +66,7 @@ class LaunchResult:
     returncode: int
     elapsed_s: float
     command: list = field(repr=False, default_factory=list)
+    restarts: int = 0  # how many times torchrun restarted the group (launch(restarts=...))
 
     def lines(self, rank: int) -> list[str]:
         """The lines rank `rank` printed (prefix removed)."""
@@ -202,12 +202,14 @@ def _kill_tree(procs: list[psutil.Process], grace_s: float = 3.0) -> int:
 
 # ----------------------------------------------------------------------------- launch
 
-def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: str, args: list[str]) -> list[list]:
+def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: str, args: list[str],
+                    restarts: int = 0) -> list[list]:
     # Each agent runs under nanodist.reaper: if this process dies, however it dies, the reaper ends the agent,
     # its workers and whatever they started (Linux; elsewhere the agent runs directly).
+    from . import reaper as _reaper  # imported here: `python -m nanodist.reaper` must not find it imported already
     reaper = [sys.executable, "-m", "nanodist.reaper", "--"] if _reaper.available() else []
-    base = reaper + [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0",
-                     "--tee=3"]
+    base = reaper + [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                     f"--max-restarts={restarts}", "--tee=3"]
     tail = [str(script), *map(str, args)]
     if nnodes == 1:
         return [base + ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}"] + tail]
@@ -217,7 +219,7 @@ def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: st
 
 
 def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 600, nnodes: int = 1,
-           env: dict | None = None, echo: bool = True) -> LaunchResult:
+           env: dict | None = None, echo: bool = True, restarts: int = 0) -> LaunchResult:
     """Run `script` under torchrun with `nproc` ranks per node on `nnodes` local "nodes".
 
     Returns a LaunchResult whose `.results` is the results file rank 0 wrote (nanodist.results),
@@ -227,17 +229,23 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
     `env` adds or overrides environment variables of the ranks; `echo=False` keeps output quiet.
     A LaunchError names the rank torchrun found failing first, how it ended (its exit code, or the signal
     that killed it) and what it said last: its exception, or an "error:" line such as argparse's.
+    `restarts` is torchrun's --max-restarts: when a rank dies, torchrun stops every rank and starts the
+    whole group again, up to that many times (a script that resumes from its checkpoint then goes on);
+    `.restarts` of the result says how many happened.
     """
     for name, value in (("nproc", nproc), ("nnodes", nnodes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"launch: {name} must be a positive integer, got {value!r}")
     if not timeout or timeout <= 0:
         raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+        raise ValueError(f"launch: restarts must be a non-negative integer, got {restarts!r}")
     script = resolve_script(script)
     args = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
     for attempt in range(3):
         try:
-            return _launch_once(script, nproc, list(args), timeout, nnodes, env, echo, port=free_port())
+            return _launch_once(script, nproc, list(args), timeout, nnodes, env, echo, port=free_port(),
+                                restarts=restarts)
         except LaunchError as e:
             # free_port() released the port before torchrun could bind it: another program may have taken it
             # in between. Rare, and then the job never started: try again on another port.
@@ -251,19 +259,22 @@ _PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 
 
 def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: int, env: dict | None, echo: bool,
-                 port: int) -> LaunchResult:
-    run_id = new_run_id() if "NANODIST_RUN_ID" not in (env or {}) else env["NANODIST_RUN_ID"]
+                 port: int, restarts: int = 0) -> LaunchResult:
+    chosen = "NANODIST_RUN_ID" in (env or {})
+    run_id = env["NANODIST_RUN_ID"] if chosen else new_run_id()
     child_env = dict(os.environ)
     child_env.update({
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS", "1"),  # what torchrun would set, without its warning
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
         "NANODIST_RUN_ID": run_id,
+        "NANODIST_RUN_ID_SOURCE": "user" if chosen else "launch",  # a resumed run keeps its checkpoint's id
+        "NANODIST_LAUNCH_ID": run_id,  # how this launch finds the results file, whichever run id it got
         "NANODIST_NNODES": str(nnodes),
         "NANODIST_RESULTS_DIR": str(results_dir()),
     })
     child_env.update({k: str(v) for k, v in (env or {}).items()})
-    commands = _agent_commands(script, nproc, nnodes, port, run_id, args)
+    commands = _agent_commands(script, nproc, nnodes, port, run_id, args, restarts)
 
     lines: queue.Queue = queue.Queue()
     agents: list[subprocess.Popen] = []
@@ -338,7 +349,27 @@ def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: i
     if returncode != 0:
         message, rank, tb, code = _failure_message(script.name, text, returncode)
         raise LaunchError(message, returncode=code, rank=rank, traceback=tb, output=text)
-    found = sorted(Path(child_env["NANODIST_RESULTS_DIR"]).glob(f"*/{run_id}.jsonl"))
-    results = load(found[0]) if found else None
-    return LaunchResult(results=results, output=text, run_id=run_id, port=port, returncode=0,
-                        elapsed_s=elapsed, command=commands)
+    found = _find_results(Path(child_env["NANODIST_RESULTS_DIR"]), run_id)
+    results = load(found) if found else None
+    return LaunchResult(results=results, output=text, run_id=results["run_id"] if results else run_id, port=port,
+                        returncode=0, elapsed_s=elapsed, command=commands,
+                        restarts=len(_RESTARTED.findall(text)))
+
+
+_RESTARTED = re.compile(r"failed \(exitcode: -?\d+\) local_rank")  # a worker failure torchrun recovered from
+
+
+def _find_results(directory: Path, launch_id: str) -> Path | None:
+    """The results file this launch wrote: named by its run id, or -- a run resumed from a checkpoint continues
+    the checkpoint's run -- the file whose header or resume line carries this launch's id."""
+    named = sorted(directory.glob(f"*/{launch_id}.jsonl"))
+    if named:
+        return named[0]
+    needle = f'"launch_id": "{launch_id}"'
+    for path in sorted(directory.glob("*/*.jsonl"), key=lambda p: p.stat().st_mtime, reverse=True)[:200]:
+        try:
+            if needle in path.read_text(errors="replace"):
+                return path
+        except OSError:
+            continue
+    return None

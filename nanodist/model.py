@@ -29,6 +29,7 @@ import torch.utils.checkpoint
 PRESETS = {
     "tiny": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
     "small": dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
+    "medium": dict(block_size=256, n_layer=8, n_head=8, n_embd=384),  # 14 M parameters: 57 MB in fp32
 }
 
 

@@ -13,7 +13,7 @@ stopped itself, with the reason) and "end" lines. A resumed run (`Recorder(..., 
 appends a "resume" line and goes on in the same file; steps after its checkpoint run again, and the
 reader keeps the last record of each step, so every step counts once.
 
-`load()` folds a file into one record (header fields, `steps`, `metrics`, `complete`, `stopped`).
+`load()` folds a file into one record (header fields, `steps`, `metrics`, `complete`, `stopped`, `resumes`).
 `load_all()` reads every file under the results directory *and* `labs/results/reference/` (runs
 brought from other machines, e.g. a 2-GPU box), skipping a bad file with a warning that names it, and
 `table()` flattens them into rows that the plots use -- so numbers from any machine land in the same figure.
@@ -216,7 +216,8 @@ class Recorder:
                 "argv": self.argv, "config": self.config, "world_size": g.size,
                 "nnodes": int(os.environ.get("NANODIST_NNODES", nnodes)),
                 "backend": g.backend if g.backend != "local" else "gloo", "device": g.device.type,
-                "hardware": hardware_fingerprint()}
+                "hardware": hardware_fingerprint(),
+                **({"launch_id": os.environ["NANODIST_LAUNCH_ID"]} if os.environ.get("NANODIST_LAUNCH_ID") else {})}
 
     def _write(self, kind: str, **fields) -> None:
         if self.group.rank != 0:
@@ -281,13 +282,14 @@ _MISSING = object()
 
 def _fold(lines: list[dict], source: str) -> dict:
     """One record from a results file's lines: the header's fields, the last record of each step, the merged
-    metrics, and whether the run ended ("complete") or stopped itself ("stopped": the reason)."""
+    metrics, whether the run ended ("complete") or stopped itself ("stopped": the reason), and every resume
+    ("resumes": when, at which world size and on what, one entry per "resume" line)."""
     if not lines or lines[0].get("kind") != "header":
         raise ResultsError(f"{source}: the first line is not a header (kind 'header')")
     record = {k: v for k, v in lines[0].items() if k != "kind"}
     steps: dict[int, dict] = {}
     metrics: dict = {}
-    record.update(complete=False, stopped=None, resumes=0)
+    record.update(complete=False, stopped=None, resumes=[])
     for i, line in enumerate(lines[1:], start=2):
         kind = line.get("kind")
         body = {k: v for k, v in line.items() if k != "kind"}
@@ -300,7 +302,8 @@ def _fold(lines: list[dict], source: str) -> dict:
         elif kind == "stop":
             record["stopped"] = body.get("reason", "")
         elif kind == "resume":
-            record["resumes"] += 1
+            record["resumes"].append({k: body.get(k) for k in ("created", "world_size", "nnodes", "backend", "device",
+                                                               "launch_id") if k in body})
             record["complete"] = False
         elif kind == "end":
             record["complete"] = True
@@ -335,7 +338,7 @@ def load(path: str | Path) -> dict:
         except json.JSONDecodeError as e:
             raise ResultsError(f"{path}: not valid JSON ({e})") from None
         if isinstance(record, dict):
-            record = {"complete": True, "stopped": None, "resumes": 0, **record}
+            record = {"complete": True, "stopped": None, "resumes": [], **record}
     else:
         parsed = []  # (line number, object or the decoding error)
         for i, line in enumerate(text.split("\n"), start=1):

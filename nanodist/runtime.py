@@ -296,6 +296,15 @@ def _rendezvous(backend: str, env: dict, dev: torch.device, timeout: datetime.ti
                   file=sys.stderr, flush=True)
             delay = 30.0
 
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun the agent hosts the store, and after a restart (--max-restarts) it is the same store with
+        # the dead attempt's keys still in it: gloo would look up the old ranks' addresses and fail to connect.
+        # Each attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(addr, int(port), env["world_size"], is_master=False, timeout=timeout)
+        kwargs = {k: v for k, v in kwargs.items() if k != "init_method"}
+        kwargs.update(store=dist.PrefixStore(f"/nanodist/attempt_{attempt}", store), rank=env["rank"],
+                      world_size=env["world_size"])
     threading.Thread(target=say_that_we_wait, daemon=True).start()
     try:
         dist.init_process_group(**kwargs)

@@ -62,6 +62,7 @@ class TrainConfig:
     eval_batches: int = 4
     log_every: int = 10
     nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient: "stop" the run, or "skip" the step
+    checkpoint_every: int = 0  # save a checkpoint every this many steps, and at the end (needs checkpoints=)
     progress: bool = True  # tqdm bar on rank 0
     wandb: bool = False
     wandb_project: str = "nanodist"
@@ -201,10 +202,13 @@ class Trainer:
     - val_data: an iterator of validation micro-batches; the first eval_batches are read once and reused.
     - recorder: a nanodist.results.Recorder, which gets every step as it is logged (optional).
     - group: the ranks that train together (default: the world).
+    - checkpoints: a nanodist.checkpoint.CheckpointManager; with cfg.checkpoint_every, fit() saves every that
+      many steps and at the end, and a non-finite stop leaves its reason beside the checkpoints.
     """
 
-    def __init__(self, model, optimizer, train_data, cfg: TrainConfig, val_data=None, recorder=None, group=None):
-        self.model, self.optimizer, self.cfg = model, optimizer, cfg
+    def __init__(self, model, optimizer, train_data, cfg: TrainConfig, val_data=None, recorder=None, group=None,
+                 checkpoints=None):
+        self.model, self.optimizer, self.cfg, self.checkpoints = model, optimizer, cfg, checkpoints
         self.train_data, self.val_data, self.recorder = train_data, val_data, recorder
         self.group = Group.resolve(group)
         if not cfg.lr > 0:
@@ -219,7 +223,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
-        self.run_id = recorder.run_id if recorder is not None else new_run_id()
+        # one run id for all ranks (rank 0's): a sharded checkpoint keeps one copy of it
+        self.run_id = self.group.broadcast_object(recorder.run_id if recorder is not None else new_run_id())
         self.history: list[dict] = []
         self._pending: list[dict] = []  # steps whose scalars are still on the device
         self._flush_every = 1 if self.group.device.type != "cuda" else max(1, cfg.log_every)
@@ -237,28 +242,39 @@ class Trainer:
             return self.model.module
         return self.model
 
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs (see ARCHITECTURE.md). Call it between steps, on every rank."""
+    def state_dict(self, weights: bool = True) -> dict:
+        """Everything a resumed run needs (see ARCHITECTURE.md). Call it between steps, on every rank.
+        (weights=False: the model and optimizer entries are None, for a caller that takes them itself.)"""
         self._flush()
         data = self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                 "run_id": self.run_id, "world_size": self.group.size, "config": asdict(self.cfg),
-                "model": self._model_for_state().state_dict(), "optimizer": self.optimizer.state_dict(),
+                "model": self._model_for_state().state_dict() if weights else None,
+                "optimizer": self.optimizer.state_dict() if weights else None,
                 "scheduler": self.scheduler.state_dict(), "data": {"train": data},
                 "rng": {f"rank{self.group.rank}": rng_state()}}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from state_dict(): the next step is exactly the one the saved run took next."""
+    def load_state_dict(self, state: dict, optimizer: bool = True) -> None:
+        """Resume from state_dict(): the next step is exactly the one the saved run took next. (optimizer=False:
+        the caller has loaded the optimizer already, as nanodist.checkpoint does.) A rank the saved run did not
+        have -- resuming at a larger world size -- seeds its generators from the run's step and its rank."""
         self._model_for_state().load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["data"]["train"] is not None:
             self.train_data.load_state_dict(state["data"]["train"])
         mine = state["rng"].get(f"rank{self.group.rank}")
-        if mine is None:
+        if mine is not None:
+            set_rng_state(mine)
+        elif state.get("world_size", self.group.size) == self.group.size:
             raise ValueError(f"this training state holds the random generators of {sorted(state['rng'])}, not of "
                              f"rank{self.group.rank}: load on every rank the state that rank saved")
-        set_rng_state(mine)
+        else:
+            from .runtime import seed_everything
+            seed_everything(int(state["step"]) * 1_000_003 + self.group.rank)
+            print(f"rank {self.group.rank}: the saved run had {state['world_size']} ranks, so this rank has no saved "
+                  f"random state: seeded from the step and the rank", flush=True)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.run_id = state["run_id"]
@@ -348,6 +364,8 @@ class Trainer:
                f"TrainConfig(nonfinite='skip') skips such steps instead (as torch's GradScaler does).")
         if self.recorder is not None:
             self.recorder.stop(msg, step=row["step"])
+        if self.checkpoints is not None:  # a restarted group finds it and stops at once, instead of looping
+            self.checkpoints.mark_stopped(msg)
         self._close()
         raise NonFiniteError(msg)
 
@@ -377,15 +395,20 @@ class Trainer:
                 from tqdm.auto import tqdm
                 self._bar = tqdm(total=cfg.steps, initial=self.step, desc=cfg.run_name or "train", leave=False)
         stop = cfg.steps if max_steps is None else min(cfg.steps, self.step + max_steps)
+        every = cfg.checkpoint_every if self.checkpoints is not None else 0
         try:
             while self.step < stop:
                 self.train_step()
                 if len(self._pending) >= self._flush_every or self.step == stop:
                     self._flush()
+                if every and (self.step % every == 0 or self.step == cfg.steps):
+                    self.checkpoints.save(self)
         except BaseException:
             self._close()
             raise
         if self.step >= cfg.steps:
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
             self._close()
         return self.history
 

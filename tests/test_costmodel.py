@@ -140,3 +140,20 @@ def test_data_parallel_speedup_without_overlap():
     assert data_parallel_speedup(0.1, 0.05, 2, "strong") == pytest.approx(0.1 / 0.1)
     with pytest.raises(ValueError, match="scaling must be 'weak' or 'strong'"):
         data_parallel_speedup(0.1, 0.1, 2, "diagonal")
+
+
+def test_young_interval_minimises_the_expected_loss():
+    from nanodist.costmodel import checkpoint_overhead, young_daly_interval
+    C, M = 30.0, 6 * 3600.0
+    best = young_daly_interval(C, M)
+    assert best == pytest.approx((2 * C * M) ** 0.5)
+    # the optimum of C/tau + tau/(2M): both terms equal there, and any other interval loses more
+    assert C / best == pytest.approx(best / (2 * M))
+    for tau in (best / 3, best * 0.9, best * 1.1, best * 3):
+        assert checkpoint_overhead(tau, C, M) > checkpoint_overhead(best, C, M)
+    assert checkpoint_overhead(best, C, M, restart_s=60) == pytest.approx(2 * C / best + 60 / M)
+    for bad in ((0, M), (C, -1)):
+        with pytest.raises(ValueError, match="positive"):
+            young_daly_interval(*bad)
+    with pytest.raises(ValueError, match="interval_s > 0"):
+        checkpoint_overhead(0, C, M)

@@ -87,7 +87,7 @@ def equivalence_worker(rank, W, bf16):
 
 @pytest.mark.parametrize("W", [1, 2, 3, 4])
 def test_fsdp_equals_torch_fsdp2_and_one_process(W):
-    outs = spawn(equivalence_worker, W, args=(False,), timeout=240)
+    outs = spawn(equivalence_worker, W, args=(False,), timeout=120)
     r0 = outs[0]
     # the losses every rank measured on its own batch: ours and FSDP2's agree step for step
     for out in outs:
@@ -106,7 +106,7 @@ def test_fsdp_equals_torch_fsdp2_and_one_process(W):
 
 @pytest.mark.parametrize("W", [2, 3])
 def test_fsdp_with_bf16_compute_follows_fsdp2(W):
-    outs = spawn(equivalence_worker, W, args=(True,), timeout=240)
+    outs = spawn(equivalence_worker, W, args=(True,), timeout=120)
     for out in outs:
         ours, theirs = [l for l, _ in out["ours"]], [l for l, _ in out["fsdp2"]]
         # bf16 rounds every parameter to 8 bits of mantissa when it is gathered: a last-bit difference in an fp32
@@ -163,7 +163,7 @@ def trainer_worker(rank, W, accum):
 
 
 def test_the_trainer_drives_fsdp_with_accumulation_like_one_big_batch():
-    (accum, params, norms), _ = spawn(trainer_worker, 2, args=(2,), timeout=180)
+    (accum, params, norms), _ = spawn(trainer_worker, 2, args=(2,), timeout=120)
     assert accum == 2
     tokens, vocab = _data()
     single = _gpt(vocab, dropout=0.0)

@@ -43,7 +43,7 @@ def test_two_ranks_with_gloo(results_dir):
 
 
 def test_two_nodes_on_one_host(results_dir):
-    run = nd.launch("lab01_ranks", nproc=2, nnodes=2, args=["--repeats", "2"], timeout=180, echo=False)
+    run = nd.launch("lab01_ranks", nproc=2, nnodes=2, args=["--repeats", "2"], timeout=120, echo=False)
     ranks = check_reports(run.results, 4, 2)
     assert sorted((r["node_rank"], r["local_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in ranks:  # global rank = node rank * ranks per node + local rank

@@ -26,7 +26,7 @@ def _lab():
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     return nanodist.launch("lab02_allreduce", nproc=2, args=ARGS, env={"NANODIST_RESULTS_DIR": str(out)},
-                           echo=False, timeout=180)
+                           echo=False, timeout=120)
 
 
 @pytest.mark.dist
@@ -95,7 +95,7 @@ def test_demo_records_every_ranks_buffers(tmp_path):
     """--demo at world size 3: each collective's before/after buffers, against values computed here by hand."""
     n = 3
     run = nanodist.launch("lab02_allreduce", nproc=n, args=["--demo"], env={"NANODIST_RESULTS_DIR": str(tmp_path)},
-                          echo=False, timeout=180)
+                          echo=False, timeout=120)
     rec = run.results
     assert rec["config"]["demo"] is True and rec["world_size"] == n and rec["metrics"]["sweep"] == []
     demo = rec["metrics"]["demo"]

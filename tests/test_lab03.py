@@ -19,11 +19,11 @@ pytestmark = pytest.mark.dist
 def run_lab(args, results_dir, extra_env=None):
     env = {**os.environ, "NANODIST_RESULTS_DIR": str(results_dir), **(extra_env or {})}
     env = {k: v for k, v in env.items() if v is not None}  # None: unset the variable
-    return subprocess.run([sys.executable, str(LAB), *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, str(LAB), *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_all_implementations_in_one_run_train_identically(results_dir):
-    run = nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--timeline", "--verify"], timeout=300, echo=False)
+    run = nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--timeline", "--verify"], timeout=120, echo=False)
     m = run.results["metrics"]
     v = m["verify"]  # N x b == 1 x Nb: gradients and (SGD) parameters equal up to rounding
     assert len(v["max_abs_diff"]) == 5 and max(v["max_abs_diff"]) < 1e-5 and max(v["grad_max_abs_diff"]) < 1e-5
@@ -52,7 +52,7 @@ def test_speedup_against_an_earlier_one_rank_run(results_dir):
     single = run_lab(SMALL + ["--impl", "single", "--scaling", "strong"], results_dir)
     assert single.returncode == 0, single.stderr
     run = nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--impl", "nanodist", "--scaling", "strong"],
-                    timeout=300, echo=False)
+                    timeout=120, echo=False)
     m = run.results["metrics"]
     assert m["baseline_source"] == "an earlier 1-rank run"
     (one,) = load_all("lab03_ddp", roots=[results_dir], include_reference=False)[:1]
@@ -90,7 +90,7 @@ def test_wandb_missing_or_not_logged_in_does_not_stop_the_lab(results_dir, tmp_p
 
 
 def test_wandb_gets_one_complete_run_per_implementation(results_dir, tmp_path):
-    nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--wandb"], timeout=300, echo=False,
+    nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--wandb"], timeout=120, echo=False,
               env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"})
     runs = sorted(tmp_path.rglob("run-*.wandb"))
     assert len(runs) == 5  # single, torch, nanodist, nanodist-pg, naive: one each, from rank 0 only

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.dist
 
 
 def test_lab04_trains_three_optimizers_and_records_memory(tmp_path):
-    run = nd.launch("lab04_zero", nproc=2, timeout=240, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+    run = nd.launch("lab04_zero", nproc=2, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
                     args=["--model", "tiny", "--steps", "5", "--micro-batch", "4", "--seq-len", "16", "--no-progress"])
     assert list(tmp_path.glob("lab04_zero/*.jsonl"))  # written where we asked
     rec = run.results
@@ -40,7 +40,7 @@ def test_lab04_trains_three_optimizers_and_records_memory(tmp_path):
 
 
 def test_lab04_memory_only_and_recorded_pipeline(tmp_path):
-    run = nd.launch("lab04_zero", nproc=3, timeout=240, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+    run = nd.launch("lab04_zero", nproc=3, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
                     args=["--model", "tiny", "--steps", "1", "--micro-batch", "4", "--seq-len", "16",
                           "--memory-only", "--record-pipeline", "--no-progress"])
     rec = run.results

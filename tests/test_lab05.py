@@ -10,7 +10,7 @@ TINY = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--no-progre
 
 
 def test_lab05_compares_four_implementations_within_a_budget(tmp_path):
-    run = nd.launch("lab05_fsdp", nproc=2, timeout=300, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+    run = nd.launch("lab05_fsdp", nproc=2, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
                     args=TINY + ["--steps", "5", "--budget", "0.5"])
     rec = run.results
     m = rec["metrics"]
@@ -43,7 +43,7 @@ def test_lab05_compares_four_implementations_within_a_budget(tmp_path):
 
 
 def test_lab05_memory_stages_timeline_and_checkpointing(tmp_path):
-    run = nd.launch("lab05_fsdp", nproc=3, timeout=300, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+    run = nd.launch("lab05_fsdp", nproc=3, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
                     args=TINY + ["--steps", "4", "--memory-only", "--timeline", "--checkpointing-compare"])
     m = run.results["metrics"]
     assert "impls" not in m

@@ -98,7 +98,7 @@ def test_concurrent_launches_get_different_ports(results_dir):
 
     def go(i):
         try:
-            runs[i] = nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=180, echo=False)
+            runs[i] = nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120, echo=False)
         except Exception as e:  # reported below
             errors.append(e)
 

@@ -120,7 +120,7 @@ def measured(request):
         if dist.is_available() and dist.is_initialized():
             pytest.skip("a process group is active in this test process")
         return W, [measure_all(0, 1)]
-    return W, spawn(measure_all, W, timeout=180)
+    return W, spawn(measure_all, W, timeout=120)
 
 
 @pytest.mark.dist

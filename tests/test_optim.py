@@ -301,7 +301,7 @@ def run_all(rank, W):
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
 def runs(request):
     """Every rank's results of run_all at one world size: one spawn per world size."""
-    return request.param, spawn(run_all, request.param, timeout=240)
+    return request.param, spawn(run_all, request.param, timeout=120)
 
 
 pytestmark = pytest.mark.dist
@@ -592,7 +592,7 @@ def check_container(rank, W):
 
 @pytest.mark.parametrize("W", [2, 3])
 def test_the_muon_adamw_pair_is_one_torch_optimizer(W):
-    outs = spawn(check_container, W, timeout=240)
+    outs = spawn(check_container, W, timeout=120)
     for rank, out in enumerate(outs):
         assert out["is_optimizer"]
         base = out["initial_lr"]

@@ -134,7 +134,8 @@ def test_results_are_appended_as_the_run_goes_and_a_resumed_run_continues_its_fi
     data = load(again.path)
     assert [st["step"] for st in data["steps"]] == [0, 1, 2, 3, 4]  # every step once
     assert [st["loss"] for st in data["steps"]] == [3.0, 2.0, 12.0, 13.0, 14.0]  # the last record of each step
-    assert data["complete"] and data["resumes"] == 1 and data["metrics"] == {"done": True}
+    assert data["complete"] and len(data["resumes"]) == 1 and data["metrics"] == {"done": True}
+    assert data["resumes"][0]["world_size"] == data["world_size"]
     assert len(list(results_dir.rglob("*.jsonl"))) == 1  # one file for the run
 
 

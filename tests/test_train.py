@@ -89,7 +89,7 @@ def wandb_worker(rank, world, wandb_dir):
 def test_wandb_offline_logs_every_step_from_rank0_only(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    (losses0, mean0), _ = spawn(wandb_worker, 2, args=(str(tmp_path),), timeout=240)
+    (losses0, mean0), _ = spawn(wandb_worker, 2, args=(str(tmp_path),), timeout=120)
     runs = list(tmp_path.rglob("run-*.wandb"))
     assert len(runs) == 1, f"only rank 0 may create a run, found {runs}"
     rows = wandb_history(runs[0])
@@ -199,7 +199,7 @@ def _leaves(tree):
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("parallel", ["ddp", "dist-muon-adamw"])
 def test_a_saved_training_state_resumes_bit_exactly(world, parallel):
-    outs = spawn(resume_worker, world, args=(parallel,), timeout=240)
+    outs = spawn(resume_worker, world, args=(parallel,), timeout=120)
     for rank, out in enumerate(outs):
         assert out["b_equals_a"], "the same seeds must give the same run (dropout included)"
         assert out["resumed_equal"] and out["resumed_losses"], (rank, parallel, world)
@@ -239,7 +239,7 @@ def fsdp2_worker(rank, world):
 
 @pytest.mark.dist
 def test_the_trainer_accumulates_with_torch_fsdp2_like_one_big_batch():
-    (accum, calls, params, norms), _ = spawn(fsdp2_worker, 2, timeout=180)
+    (accum, calls, params, norms), _ = spawn(fsdp2_worker, 2, timeout=120)
     assert accum == 2 and calls == [False, True] * 3  # no sync on the first micro-step of each step
     single, stream = tiny_setup(2)
     cfg = TrainConfig(steps=3, total_batch_tokens=8 * 16, micro_batch=2, seq_len=16, progress=False, log_every=0,
@@ -275,7 +275,7 @@ def nonfinite_worker(rank, world, mode, results_dir):
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_a_nan_on_one_rank_stops_every_rank_or_is_skipped(tmp_path, mode):
-    outs = spawn(nonfinite_worker, 2, args=(mode, str(tmp_path)), timeout=180)
+    outs = spawn(nonfinite_worker, 2, args=(mode, str(tmp_path)), timeout=120)
     if mode == "stop":
         for out in outs:  # every rank stops at the same step, with the same message naming rank 1
             assert out["error"] == outs[0]["error"] and "non-finite values at step 3" in out["error"]

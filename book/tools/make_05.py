@@ -2,34 +2,10 @@
 
     python book/tools/make_05.py && jupyter nbconvert --to notebook --execute --inplace book/05_fsdp.ipynb
 """
-from pathlib import Path
+from chapter_cells import HIDDEN, SOLUTION, TIMING, Chapter  # noqa: F401  (book/tools/chapter_cells.py)
 
-import nbformat as nbf
-
-HIDDEN = {"tags": ["remove-cell"], "jupyter": {"source_hidden": True}}      # the expected answer: not on the page
-SOLUTION = {"tags": ["hide-input"], "jupyter": {"source_hidden": True}}     # the solution: collapsed until opened
-TIMING = {"tags": ["nbval-ignore-output"]}                                 # hardware- and timing-dependent output
-
-cells = []
-
-
-def md(text):
-    cells.append(nbf.v4.new_markdown_cell(text.strip("\n")))
-
-
-def code(text, meta=None):
-    c = nbf.v4.new_code_cell(text.strip("\n"))
-    if meta:
-        c.metadata.update(meta)
-    cells.append(c)
-
-
-def exercise(key, question, expected, answer_cell, hint, solution):
-    md(f"**{key[2:]}.** {question}")
-    code(f"expect({key!r}, {expected})", HIDDEN)
-    code(f"{answer_cell}\ncheck(answer, exercise={key!r},\n      hint={hint!r})")
-    code(f"{solution}\ncheck(answer, exercise={key!r}, hint='')", SOLUTION)
-
+chapter = Chapter()
+md, code, exercise = chapter.md, chapter.code, chapter.exercise
 
 md(r"""
 # 5. FSDP: sharding the parameters too
@@ -674,9 +650,4 @@ exercise(
     "A block is freed when it is no longer needed; without resharding after forward, when is that?",
     "answer = 4   # every block stays gathered until its backward: the whole model, as in ZeRO-2")
 
-nb = nbf.v4.new_notebook(cells=cells)
-nb.metadata.update({"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-                    "language_info": {"name": "python"}})
-out = Path(__file__).resolve().parents[1] / "05_fsdp.ipynb"
-nbf.write(nb, out)
-print(f"wrote {out}")
+chapter.write("05_fsdp.ipynb")

@@ -553,6 +553,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a, b = slice_bounds(p.numel(), self.world_size, self.rank)
         return _adamw.init_state((b - a,), p)
 
+    def init_state(self) -> None:
+        """Create (zero) state for every piece this rank updates that has none yet -- what the first step would
+        create -- so that a checkpoint can be loaded into it before any step. No collective, no update."""
+        self._plan()
+        for j, pieces in self._local_by_param.items():
+            p = self._params[j]
+            if not self.state[p]:
+                self.state[p].update(self._init_state(p, self.param_groups[pieces[0].group]["kind"]))
+        for b in self._buckets:
+            b.extra.pop("items", None)  # cached update views point at the old state
+
     def _consumed(self) -> None:
         """The reduced gradients were used: the next backward starts afresh."""
         self._reduced = False

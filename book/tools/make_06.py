@@ -1,0 +1,613 @@
+"""Writes book/06_checkpoint.ipynb (unexecuted): Chapter 6's cells, kept as code so the chapter can be reviewed in diffs.
+
+    python book/tools/make_06.py && jupyter nbconvert --to notebook --execute --inplace book/06_checkpoint.ipynb
+"""
+from chapter_cells import HIDDEN, SOLUTION, TIMING, Chapter  # noqa: F401  (book/tools/chapter_cells.py)
+
+chapter = Chapter()
+md, code, exercise = chapter.md, chapter.code, chapter.exercise
+
+md(r"""
+# 6. Checkpoints: losing minutes, not the run
+
+A training run on many machines fails. A GPU falls off the bus, a node reboots, a NaN appears, the job's
+time slot ends. Large runs report failures every few hours; a run of weeks meets hundreds. What it
+loses each time is everything since its last **checkpoint**, plus the time to start again. This chapter
+makes that small, and *exact*: the resumed run takes the very steps the uninterrupted one would have
+taken, bit for bit.
+
+That is harder than `torch.save(model.state_dict())`. By the end of the chapter you will be able to:
+- list everything a training run's state holds, and show what goes wrong when one piece is forgotten;
+- save it **atomically** (complete or absent, never half), **safely** (a file cannot run code), in one
+  **full** file or **sharded** across ranks with `torch.distributed.checkpoint` (DCP);
+- resume a run killed by `kill -9` under `torchrun --max-restarts`, and prove it bit-exact by hashes;
+- resume a sharded checkpoint at another number of ranks, reading every sample exactly once;
+- choose how often to save from the measured save time and a failure rate (the Young/Daly interval).
+
+Everything here is `nanodist.checkpoint` and `labs/lab06_checkpoint.py`.
+""")
+
+code("""
+import inspect
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import Markdown
+from myst_nb import glue
+
+import nanodist as nd
+from nanodist import checkpoint
+from nanodist.check import check_sampler_exactly_once
+from nanodist.checkpoint import CheckpointError, CheckpointManager, fingerprint, read_meta, verify
+from nanodist.costmodel import checkpoint_overhead, young_daly_interval
+from nanodist.data import CharTokenizer, TokenStream, generate_corpus
+from nanodist.exercises import check, expect
+from nanodist.model import GPT, GPTConfig
+from nanodist.results import Table, provenance
+from nanodist.train import TrainConfig, Trainer
+
+home, scratch = Path.cwd(), tempfile.mkdtemp(prefix="nanodist-ch6-")
+os.chdir(scratch)  # the chapter's checkpoints go to a temporary folder, and paths are named relative to it
+work = Path(".")
+
+
+def caption(name, record):
+    \"\"\"Glue a figure's provenance line (machine, backend, world size, torch, date) for the text below it.\"\"\"
+    glue(name, Markdown(f"*{provenance(record)}*"), display=False)
+""")
+
+md(r"""
+## What a training state is
+
+Here is a small run, in this process: a GPT with dropout, AdamW, a learning-rate schedule with warm-up, and
+a shuffled token stream. A `CheckpointManager` saves it every 3 steps.
+""")
+
+code(r"""
+text = generate_corpus(30_000, seed=0)
+tok = CharTokenizer(text)
+tokens = torch.tensor(tok.encode(text))
+
+
+def make_trainer(manager=None, steps=10):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16, dropout=0.1))
+    stream = TokenStream(tokens, batch_size=4, block_size=16, seed=0)
+    cfg = TrainConfig(steps=steps, total_batch_tokens=4 * 16, micro_batch=4, seq_len=16, lr=3e-3, warmup_steps=4,
+                      progress=False, log_every=0, checkpoint_every=3)
+    return Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stream, cfg, checkpoints=manager)
+
+
+straight = make_trainer()
+straight_losses = [h["loss"] for h in straight.fit()]
+
+saver = make_trainer(CheckpointManager(work / "small", format="full", keep=5))
+saver.fit(max_steps=6)
+print([p.name for p in saver.checkpoints.complete()])
+""")
+
+md(r"""
+`Trainer.state_dict()` is everything the next step depends on:
+""")
+
+code(r"""
+state = checkpoint.training_state(saver)
+
+
+def size(value):
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(size(v) for v in value)
+    return 0
+
+
+what = {"model": "every parameter, by name", "optimizer": "AdamW's step and moments, by parameter name",
+        "scheduler": "where the learning-rate schedule is", "data": "the stream's global cursor: epoch, windows read",
+        "rng": "each rank's random generators (python, numpy, torch, CUDA)", "step": "optimizer steps taken",
+        "tokens_seen": "tokens trained on", "skipped_steps": "steps skipped for a non-finite loss",
+        "run_id": "the run's name: results and wandb continue it", "world_size": "ranks that saved it",
+        "config": "the TrainConfig"}
+Table({"entry": k, "holds": what[k], "tensors (KiB)": round(size(state[k]) / 1024, 1)} for k in state)
+""")
+
+md(r"""
+Most of the bytes are the model and the optimizer (AdamW keeps two moments per parameter: twice the
+model). The rest is small, and every piece of it matters. To see how much, resume the run at step 6
+from its checkpoint, exactly, and then four times more, each time putting one piece back to what a
+fresh start has:
+""")
+
+code(r"""
+step6 = work / "small" / "step_00000006"
+fresh = make_trainer()
+curves = {"uninterrupted": straight_losses}
+
+
+def resumed(forget=None):
+    t = make_trainer()
+    checkpoint.load(step6, t)
+    if forget == "random generators":
+        torch.manual_seed(0)  # what a restarted script does at its start
+    elif forget == "data position":
+        t.train_data.load_state_dict(fresh.train_data.state_dict())  # the stream from its beginning
+    elif forget == "optimizer state":
+        t.optimizer.state.clear()  # AdamW's moments from zero
+    elif forget == "learning-rate schedule":
+        t.scheduler.load_state_dict(fresh.scheduler.state_dict())  # warm-up again
+    return [h["loss"] for h in t.fit()]
+
+
+for forget in (None, "random generators", "data position", "optimizer state", "learning-rate schedule"):
+    curves["resumed exactly" if forget is None else f"forgot the {forget}"] = straight_losses[:6] + resumed(forget)
+
+exact = curves["resumed exactly"] == straight_losses
+assert exact and all(c[6:] != straight_losses[6:] for k, c in curves.items() if k.startswith("forgot"))
+fig, ax = plt.subplots(figsize=(8, 4))
+for name, losses in curves.items():
+    ax.plot(range(len(losses)), losses, marker="o" if name == "uninterrupted" else ".",
+            lw=3 if name == "uninterrupted" else 1.2, label=name, alpha=0.9)
+ax.axvline(5.5, color="gray", ls=":")
+ax.set(xlabel="step", ylabel="training loss", title="Resumed at step 6: exactly, and with one piece forgotten")
+ax.legend(fontsize=8)
+plt.show()
+Table({"run": k, "loss at step 7": c[7], "loss at step 9": c[9], "equal to uninterrupted": c == straight_losses,
+       "first step that differs": next((i for i, (x, y) in enumerate(zip(c, straight_losses)) if x != y), "none")}
+      for k, c in curves.items())
+""")
+
+md(r"""
+Only the exact resume takes the same steps; every forgotten piece changes the run, each for its own reason:
+- **random generators**: dropout draws other masks from step 6 on;
+- **data position**: the stream starts its epoch again and the model sees the first batches twice (and,
+  by the end of the epoch, never sees the ones it skipped);
+- **optimizer state**: AdamW's moments restart from zero, so its first updates are large (the
+  bias correction divides by a small $1 - \beta^t$);
+- **learning-rate schedule**: the warm-up runs again, and the learning rate jumps back to its start.
+
+None of these crash. A run that forgets one just trains a little differently, or a little worse. That is
+why the tests of `nanodist.checkpoint` compare the final parameters with `torch.equal` and never with a
+tolerance.
+
+A few details decide whether such a state can be reused at all:
+- the optimizer's state is keyed by **parameter name**, not by position, so that it still fits if
+  parameters are reordered or wrapped differently;
+- the data position is one **global cursor** (windows read by all ranks in this epoch), from which any
+  number of ranks derives its next windows;
+- the random generators are stored **per rank**, under keys `rank0`, `rank1`, ..., because each rank
+  draws its own.
+
+## Two formats
+
+**Full**: rank 0 gathers everything into one `state.pt`. Plain torch reads it, at any world size:
+""")
+
+code(r"""
+full = torch.load(step6 / "state.pt", weights_only=True)
+print(sorted(full), "step", full["step"], "| rng of", sorted(full["rng"]), "| wte", tuple(full["model"]["wte.weight"].shape))
+print(json.dumps({k: read_meta(step6)[k] for k in ("state_format", "format", "step", "world_size", "code")}, indent=1))
+""")
+
+md(r"""
+Beside it, `meta.json` records the state format, the code that wrote it, the world size, the model's
+parameter names and shapes, the optimizer, the configuration, and the size and CRC-32 checksum of every
+file. `load()` reads it first, to refuse a checkpoint that does not fit before touching anything.
+
+**Sharded**: every rank writes its own part with `torch.distributed.checkpoint` (DCP), and one
+`.metadata` file says where each piece of each tensor lives. Nothing is gathered, so no rank needs
+memory for the whole model, and the ranks write in parallel. Under FSDP each parameter and each moment is
+saved as a `DTensor` with placement `Shard(0)` of its *global* shape. The flat padded buffers of
+Chapter 5 are a runtime layout and never reach the disk. This is what lets DCP load the same files at
+another world size: it reads, for each rank, whichever rows that rank now owns.
+
+## Atomic: complete or absent
+
+A process can die at any instruction, including in the middle of a save. If it dies halfway through
+overwriting the only checkpoint, the run has lost everything. `CheckpointManager` never overwrites:
+""")
+
+code(r"""
+print(inspect.getsource(CheckpointManager._commit))
+""")
+
+md(r"""
+The files are written into a temporary directory `.tmp-step_XXXXXXXX-<id>`, each one fsynced (on its way
+to the disk, not just in the page cache), their checksums are written into `meta.json`, the directory
+is renamed to `step_XXXXXXXX` (a rename within one file system is atomic), and only then is `latest`
+replaced, by another rename. A crash at any point leaves either the old state or the new one. Here a
+save dies after DCP has written its files and before the commit; the test suite does the same with a
+real `SIGKILL` in both formats:
+""")
+
+code(r"""
+mgr = CheckpointManager(work / "atomic", format="sharded")
+t = make_trainer(mgr)
+t.fit(max_steps=3)                                  # step_00000003: committed
+commit = CheckpointManager._commit
+CheckpointManager._commit = lambda *args: (_ for _ in ()).throw(SystemExit("killed while saving"))
+try:
+    t.fit(max_steps=3)                              # the save of step 6 dies before its rename
+except SystemExit as e:
+    print("the run died:", e)
+finally:
+    CheckpointManager._commit = commit
+listing = sorted(p.name[:len(".tmp-step_00000006-")] + "<id>" if p.name.startswith(".tmp") else p.name
+                 for p in (work / "atomic").iterdir())
+print(listing, "| latest ->", (work / "atomic" / "latest").read_text().strip())
+assert ".tmp-step_00000006-<id>" in listing and mgr.find("auto").name == "step_00000003"
+t2 = make_trainer(mgr)
+mgr.resume(t2, "auto")
+t2.fit()                                            # the next save removes the partial one
+print(sorted(p.name for p in (work / "atomic").iterdir()))
+assert not list((work / "atomic").glob(".tmp-*"))
+""")
+
+md(r"""
+**Damaged files.** Disks and copies fail quietly. Every file's size and checksum is checked before
+loading; a damaged newest checkpoint is named, and `find("auto")` falls back to the previous good one
+with a warning. A checkpoint asked for by path is never silently replaced:
+""")
+
+code(r"""
+victim = work / "small" / "step_00000006" / "state.pt"
+data = bytearray(victim.read_bytes())
+data[len(data) // 2] ^= 0xFF  # one flipped byte
+victim.write_bytes(bytes(data))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    chosen = CheckpointManager(work / "small", format="full").find("auto")
+print("warning:", caught[0].message)
+print("chosen:", chosen.name)
+try:
+    verify(victim.parent)
+except CheckpointError as e:
+    print("error:", e)
+assert chosen.name == "step_00000003"
+""")
+
+md(r"""
+**Safe to load.** `torch.load` unpickles, and a pickle can call any function: a checkpoint downloaded
+from somewhere can run code on your machine when it is loaded. nanodist loads files with
+`weights_only=True` (tensors and plain values only). DCP's `.metadata` is also a pickle, which torch 2.13
+reads with no restriction, so nanodist reads it with an unpickler that knows DCP's metadata classes and
+nothing else. A crafted one is refused before anything runs:
+""")
+
+code(r"""
+class RunsCode:
+    def __reduce__(self):
+        return print, ("this would have been os.system(...)",)
+
+
+crafted = work / "crafted"
+shutil.copytree(work / "atomic" / "step_00000009", crafted)
+(crafted / ".metadata").write_bytes(__import__("pickle").dumps(RunsCode()))
+try:
+    checkpoint.read_dcp_metadata(crafted)
+except CheckpointError as e:
+    print(e)
+print(sorted(checkpoint._DCP_GLOBALS)[:4], "...")
+""")
+
+md(r"""
+## A run killed by `kill -9`, resumed bit for bit
+
+Now the real thing, on 2 ranks under `torchrun --max-restarts=1` (`nd.launch(..., restarts=1)`). Lab 6
+trains 8 steps and saves every 4. In the killed run rank 1 sends itself `SIGKILL` before step 6, on the
+first attempt only. Here is what happens to every rank:
+
+1. rank 1 dies at once: no Python clean-up, no message, its half of the next collective never comes;
+2. torchrun's agent sees a worker exit with a signal, stops the other rank (SIGTERM, then SIGKILL), and,
+   with restarts left, starts **the whole group again**: every rank is a new process, with
+   `TORCHELASTIC_RESTART_COUNT=1` and the same `TORCHELASTIC_RUN_ID`;
+3. the new ranks meet again (rendezvous) and each one loads `latest`, here the step-4 checkpoint;
+4. they train steps 4 to 7 again: the work lost is the 2 steps since the checkpoint, plus the restart.
+
+Three set-ups: nanodist DDP with AdamW, DistMuon with DistAdamW (ZeRO, Chapter 4), and nanodist FSDP
+(Chapter 5). Each runs once uninterrupted and once killed:
+""")
+
+code(r"""
+TINY = "--model tiny --micro-batch 2 --seq-len 16 --no-progress --steps 8 --checkpoint-every 4"
+killed, uninterrupted = {}, {}
+for impl in ("ddp", "zero", "fsdp"):
+    uninterrupted[impl] = nd.launch("lab06_checkpoint", nproc=2, echo=False, timeout=120,
+                                    args=f"{TINY} --impl {impl} --checkpoint-dir {work / ('u-' + impl)}")
+    killed[impl] = nd.launch("lab06_checkpoint", nproc=2, echo=False, timeout=120, restarts=1,
+                             args=f"{TINY} --impl {impl} --checkpoint-dir {work / ('k-' + impl)} --die-at 6")
+print("\n".join(line for line in killed["fsdp"].output.splitlines()
+                if "killed" in line or "resumed" in line or "trained" in line or "restart" in line.lower()))
+""", TIMING)
+
+code(r"""
+rows = []
+for impl in killed:
+    a, b = uninterrupted[impl].results, killed[impl].results
+    losses_a = [s["loss"] for s in a["steps"]]
+    losses_b = [s["loss"] for s in b["steps"]]
+    assert killed[impl].restarts == 1 and b["metrics"]["resumed"]["step"] == 4
+    assert a["metrics"]["fingerprint"] == b["metrics"]["fingerprint"] and losses_a == losses_b
+    assert [s["step"] for s in b["steps"]] == list(range(8)) and len(b["resumes"]) == 1
+    rows.append({"set-up": impl, "uninterrupted: SHA-256": a["metrics"]["fingerprint"][:16],
+                 "killed and resumed: SHA-256": b["metrics"]["fingerprint"][:16],
+                 "restarts": killed[impl].restarts, "resumed at step": b["metrics"]["resumed"]["step"],
+                 "loss curves equal": losses_a == losses_b})
+Table(rows)
+""")
+
+md(r"""
+The **fingerprint** is a SHA-256 over every parameter and every optimizer-state tensor, whole and by
+name (`nanodist.checkpoint.fingerprint`), so two runs have the same fingerprint exactly when their
+states are bitwise equal, whatever the layout of their shards. The killed runs end with the same hash
+as the uninterrupted ones, and their loss curves are equal to the last bit.
+
+The resumed run is the *same run*: the lab takes the run id from the checkpoint, so rank 0 appends to
+the same results file (after a `resume` line) and wandb continues the same run. Steps 4 and 5 ran twice;
+readers of the file keep the last record of each step, so each step counts once:
+""")
+
+code(r"""
+path = Path(killed["fsdp"].results["_path"])
+lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]  # (a blank line ends a cut one)
+print("one results file:", [line["kind"] + (f" {line['step']}" if line["kind"] == "step" else "") for line in lines])
+steps = [line["step"] for line in lines if line["kind"] == "step"]
+assert [line["kind"] for line in lines].count("resume") == 1 and sorted(set(steps)) == list(range(8))
+""")
+
+md(r"""
+Why bit-exact and not merely close? Each step is deterministic given the state, and the state is all of
+it: the parameters, AdamW's moments and step count, the schedule's position, the data cursor, every
+rank's generators. The collectives are deterministic too: the same ranks add the same numbers in the
+same order. Remove any one of these and the hashes differ, as the first section showed.
+
+## Resharding: resuming at another world size
+
+The sharded checkpoint of the uninterrupted FSDP run was written by 2 ranks. Resume it on 3, train and
+save, then resume that on 1:
+""")
+
+code(r"""
+first = work / "u-fsdp" / "step_00000004"
+at3 = nd.launch("lab06_checkpoint", nproc=3, echo=False, timeout=120,
+                args=f"{TINY} --impl fsdp --checkpoint-dir {work / 'at3'} --checkpoint-every 2 --resume {first}")
+second = work / "at3" / "step_00000006"
+at1 = nd.launch("lab06_checkpoint", nproc=1, echo=False, timeout=120,
+                args=f"{TINY} --impl fsdp --checkpoint-dir {work / 'at1'} --resume {second}")
+print(sorted(p.name for p in first.iterdir()), "<- written by 2 ranks")
+""", TIMING)
+
+code(r"""
+chain = [(2, "saved", first, uninterrupted["fsdp"].results), (3, "resumed", second, at3.results),
+         (1, "resumed", None, at1.results)]
+rows = []
+for world, how, saved_path, rec in chain:
+    m = rec["metrics"]
+    r = {"ranks": world, "starts at step": m["resumed"]["step"] if m["resumed"] else 0}
+    if m["resumed"]:
+        r["state at load = state saved"] = m["resumed"]["fingerprint"] == read_meta(m["resumed"]["path"])["fingerprint"]
+        assert r["state at load = state saved"] and m["resumed"]["world_size"] == world
+    rows.append(r)
+Table(rows)
+""")
+
+md(r"""
+At each load point the state's fingerprint equals the one recorded when the checkpoint was saved: every
+parameter and every AdamW moment arrived whole, although 2 ranks wrote them and 3 (then 1) read them.
+
+The data must reshard too. The stream's state is the global cursor; a run at $W$ ranks deals the rest
+of the epoch's window order to its own ranks, rank $r$ taking positions $c + r, c + r + W, \ldots$ Lab 6
+records which positions each rank read. Across the three segments, the sampler checker of Chapter 3
+confirms that every window up to the last cursor was read exactly once:
+""")
+
+code(r"""
+segments = [rec["metrics"]["windows"] for _, _, _, rec in chain]
+read = []
+fig, ax = plt.subplots(figsize=(9, 2.6))
+for i, (seg, nxt) in enumerate(zip(segments, segments[1:] + [None])):
+    stop = nxt["start"] if nxt else seg["stop"]
+    for r, ps in enumerate(seg["positions"]):
+        mine = [p for p in ps if p < stop]
+        read += mine
+        ax.scatter(mine, [i + 0.15 * r] * len(mine), s=12, label=f"{seg['world_size']} ranks, rank {r}")
+coverage = check_sampler_exactly_once([read], segments[-1]["stop"], drop_last=True)
+ax.set(xlabel="position in the epoch's window order", yticks=[0, 1, 2], yticklabels=["2 ranks", "3 ranks", "1 rank"],
+       title="Windows read across two reshards: each position once")
+ax.legend(fontsize=7, ncol=3, loc="upper left", bbox_to_anchor=(0, -0.35))
+plt.show()
+print(f"{len(read)} windows, each read once:", sorted(read) == list(range(segments[-1]["stop"])))
+""")
+
+md(r"""
+Two details make the reshard work. Ranks that did not exist when the checkpoint was saved (rank 2 of 3)
+have no saved generators; they seed theirs from the step and their rank, and say so. And a **full**
+checkpoint reshards as well: rank 0 wrote whole tensors, so any world size can cut them again (the test
+suite loads one saved at 2 ranks at 3 and at 1).
+
+## What saving costs, and how often to save
+
+Lab 6's `--bench` saves the same FSDP training state in four ways, taking turns: full, sharded, and
+each **asynchronously**. An asynchronous save copies the state in memory between two steps and lets a
+background thread do the rest: lay the copy out and write it with DCP on a process group of its own, so
+its collectives never meet the training's. Training waits only for the copy. All times include fsync.
+""")
+
+code(r"""
+bench = nd.launch("lab06_checkpoint", nproc=2, echo=False, timeout=120,
+                  args="--bench --model small --micro-batch 2 --seq-len 32 --no-progress --repeats 3")
+b = bench.results["metrics"]
+caption("prov_bench", bench.results)
+Table({"save": k, "training blocked (ms)": round(1e3 * o["blocked_s"], 1), "saved (ms)": round(1e3 * o["total_s"], 1),
+       "loaded (ms)": round(1e3 * o["load_s"], 1), "size (MB)": round(o["bytes"] / 1e6, 2)} for k, o in b["kinds"].items())
+""", TIMING)
+
+code(r"""
+glue("bench_params", b["params"] / 1e6, display=False)
+glue("ratio_sharded", b["ratio_sharded_vs_full_save"], display=False)
+glue("ratio_async", b["ratio_async_blocked_vs_sync_sharded"], display=False)
+assert b["kinds"]["sharded-async"]["blocked_s"] <= b["kinds"]["sharded-async"]["total_s"]
+assert abs(b["kinds"]["full"]["bytes"] - b["kinds"]["sharded"]["bytes"]) / b["kinds"]["full"]["bytes"] < 0.1
+""", TIMING)
+
+md(r"""
+{glue:md}`prov_bench`
+
+For this {glue:text}`bench_params:.2f` M-parameter model, the sharded save took {glue:text}`ratio_sharded:.2f` ×
+the full save's time and an asynchronous sharded save blocked training for {glue:text}`ratio_async:.2f` × a
+synchronous one. The sizes on disk are the same: the same tensors, in one file or in one per rank.
+Small models on two CPU cores make noisy ratios; `torchrun --nproc_per_node=2 labs/lab06_checkpoint.py --bench
+--model medium` runs the same comparison at 57 MB of parameters (171 MB of state).
+
+**How often?** Saving every $\tau$ seconds of training costs $C/\tau$ of the time, where $C$ is the time
+training is blocked per save. A failure, arriving on average every $M$ seconds (the mean time between
+failures of the whole job), loses on average half an interval of work, $\tau/2$, plus the restart $R$.
+The expected fraction of time lost is therefore about
+$$\frac{C}{\tau} + \frac{\tau/2 + R}{M},$$
+smallest at **Young's interval** $\tau^* = \sqrt{2CM}$ (Daly refined it for large $C/M$). Both are in
+`nanodist.costmodel`:
+""")
+
+code(r"""
+print(inspect.getsource(young_daly_interval))
+print(inspect.getsource(checkpoint_overhead))
+""")
+
+md(r"""
+Take the save times just measured, and a failure rate that is **an assumption, not a measurement**: a
+job of 1,000 machines where each fails once in 1,000 days, so one failure a day ($M$ = 24 h), and a
+restart of 5 minutes:
+""")
+
+code(r"""
+M, R = 24 * 3600.0, 300.0  # assumed: one failure a day, five minutes to restart
+C_sync = b["kinds"]["sharded"]["blocked_s"]
+C_async = b["kinds"]["sharded-async"]["blocked_s"]
+taus = [10 ** (k / 20) for k in range(0, 101)]  # 1 s to 1e5 s
+fig, ax = plt.subplots(figsize=(7, 3.6))
+for label, C in (("synchronous sharded", C_sync), ("asynchronous sharded", C_async)):
+    ax.loglog(taus, [100 * checkpoint_overhead(t, C, M, R) for t in taus], label=label)
+    best = young_daly_interval(C, M)
+    ax.scatter([best], [100 * checkpoint_overhead(best, C, M, R)], zorder=3)
+ax.set(xlabel="seconds of training between saves", ylabel="expected time lost (%)",
+       title="Save cost vs lost work (measured save times, assumed failure rate)")
+ax.legend()
+plt.show()
+glue("tau_sync", young_daly_interval(C_sync, M), display=False)
+glue("tau_async", young_daly_interval(C_async, M), display=False)
+glue("loss_sync", 100 * checkpoint_overhead(young_daly_interval(C_sync, M), C_sync, M, R), display=False)
+assert young_daly_interval(C_async, M) < young_daly_interval(C_sync, M)
+""", TIMING)
+
+md(r"""
+{glue:md}`prov_bench`
+
+With these save times the best interval is {glue:text}`tau_sync:.0f` s for synchronous saves and
+{glue:text}`tau_async:.0f` s for asynchronous ones, and the time lost at the synchronous optimum is about
+{glue:text}`loss_sync:.2f` % (restart included). Both save times come from the tiny model above; a real
+model's save takes seconds to minutes, and the interval grows with its square root. The curve is flat
+around its minimum: saving twice as often or half as often as $\tau^*$ costs little, so round it
+to something convenient. What matters is that the expected loss stays small *whatever* happens, which is
+what atomic commits and exact resumes buy.
+
+## Bad input
+
+A checkpoint that does not fit is refused before anything is loaded, saying what differs; a missing
+`latest` starts a fresh run with a message; a checkpoint directory that cannot be written is an error
+before the first step, not at the first save an hour later:
+""")
+
+code(r"""
+other = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16, n_layer=3))
+wrong = Trainer(other, torch.optim.AdamW(other.parameters()), TokenStream(tokens, batch_size=4, block_size=16),
+                TrainConfig(steps=2, total_batch_tokens=64, micro_batch=4, seq_len=16, progress=False, log_every=0))
+for attempt in (lambda: checkpoint.load(work / "small" / "step_00000003", wrong),
+                lambda: CheckpointManager(work / "small" / "step_00000003" / "meta.json" / "sub")):
+    try:
+        attempt()
+    except CheckpointError as e:
+        print("CheckpointError:", e)
+print("resumed from:", CheckpointManager(work / "empty").resume(make_trainer(), "auto"))
+""")
+
+md(r"""
+And a run that stopped itself, for a non-finite loss (Chapter 7), leaves its reason in a `STOPPED` file
+beside the checkpoints: a group that torchrun restarts reads it and stops at once with the same message,
+instead of loading the last checkpoint and walking into the same NaN again, restart after restart.
+
+## Exercises
+""")
+
+exercise(
+    "6.1",
+    "The uninterrupted FSDP run above trained on 2 ranks with micro-batches of 2 windows and one micro-step per "
+    "step. What is the data cursor (`consumed`, windows read by all ranks) in its step-4 checkpoint, where the "
+    "3-rank run started reading? Compute it from the set-up.",
+    "at3.results['metrics']['windows']['start']",
+    "answer = ...  # windows",
+    "Each step, every rank reads one micro-batch per micro-step.",
+    "answer = 4 * 2 * 2  # steps x ranks x windows per micro-batch",
+)
+
+exercise(
+    "6.2",
+    "A job's saves block training for 40 s and it fails on average every 8 hours. Using the formula above "
+    "(without the restart term), what is the best checkpoint interval, in minutes?",
+    "young_daly_interval(40, 8 * 3600) / 60",
+    "answer = ...  # minutes",
+    "Young: the square root of twice the save time times the mean time between failures.",
+    "answer = (2 * 40 * 8 * 3600) ** 0.5 / 60",
+)
+
+exercise(
+    "6.3",
+    "A run at 2 ranks saved its stream with cursor `consumed = 40` and micro-batches of 3 windows. It resumes "
+    "at 3 ranks. Write `next_positions(rank)`: the positions in the epoch's window order that `rank` of 3 "
+    "reads in its first micro-batch after the resume.",
+    "cases=[((r,), [40 + r + 3 * i for i in range(3)]) for r in range(3)]",
+    "def next_positions(rank):\n    return ...\n\nanswer = next_positions",
+    "Cards dealt from the cursor: rank r takes every W-th position, starting at c + r.",
+    "def next_positions(rank):\n    return [40 + rank + 3 * i for i in range(3)]\n\nanswer = next_positions",
+)
+
+exercise(
+    "6.4",
+    "A rank that joins at a larger world size has no saved generators. How many ranks of the 3-rank run above "
+    "had to seed theirs afresh?",
+    "sum(1 for line in at3.output.splitlines() if 'has no saved random state' in line)",
+    "answer = ...",
+    "The checkpoint holds the generators of the ranks that saved it.",
+    "answer = 3 - 2",
+)
+
+md(r"""
+## Summary
+
+- A training state is the model, the optimizer's state, the schedule, the data cursor, every rank's
+  random generators, the step count and the run's identity. Forget any piece and the resumed run
+  diverges silently.
+- `CheckpointManager` saves it atomically (temporary directory, fsync, rename, `latest` last),
+  checksummed, in a full file that plain torch reads or sharded with DCP, synchronously or in the
+  background; it keeps the last $k$ and falls back past damaged ones.
+- Files are loaded with `weights_only=True` and DCP's metadata with a restricted unpickler: a checkpoint
+  cannot run code.
+- Under `torchrun --max-restarts`, a SIGKILL costs the steps since the last save and a restart; the resumed
+  run is bitwise equal to the uninterrupted one, for DDP, ZeRO and FSDP.
+- Sharded checkpoints store per-parameter `Shard(0)` tensors of global shape and a global data cursor, so
+  they resume at any world size, every sample still read once.
+- Save every $\sqrt{2CM}$ seconds; asynchronous saves make $C$ small.
+""")
+
+code(r"""
+os.chdir(home)
+shutil.rmtree(scratch, ignore_errors=True)
+""")
+
+chapter.write("06_checkpoint.ipynb")

@@ -1,0 +1,799 @@
+"""Checkpoints: the whole training state, saved atomically, full or sharded, loaded safely, resumed bit for bit.
+
+    ckpt = CheckpointManager("runs/ckpt", keep=3, format="sharded")   # every rank, after nanodist.init()
+    ckpt.resume(trainer, "auto")            # the newest complete checkpoint, if any: the next step is the saved run's
+    ...
+    ckpt.save(trainer)                      # between steps, on every rank; returns what it cost
+    ckpt.wait()                             # an asynchronous save is committed
+
+What is saved: Trainer.state_dict() -- model, optimizer, LR schedule, step and tokens seen, the training
+stream's global cursor, every rank's random generators, the run id -- and beside it `meta.json`: the
+state format, nanodist's version and commit, the world size, the model's parameter names and shapes,
+the optimizer, the configuration, and a checksum of every file.
+
+Two formats:
+- "full": everything gathered to rank 0 into one `state.pt`, plain tensors and Python values, loadable
+  by `torch.load(path, weights_only=True)` without nanodist, and at any world size.
+- "sharded": torch.distributed.checkpoint (DCP); every rank writes its part. Sharded tensors are DTensors
+  Shard(0) of their global shape (the FSDP flat buffers and ZeRO slices are converted to that layout), so
+  DCP reshards them when a run resumes at another world size.
+
+Atomic: a checkpoint is written into `.tmp-step_XXXXXXXX-<id>/`, its files fsynced, the directory renamed
+to `step_XXXXXXXX/`, and only then `latest` (a one-line file, replaced by rename) points at it. A
+checkpoint is complete or absent; a killed save leaves a temporary directory that is ignored and removed
+by the next save.
+
+Safe to load: files are read with weights_only=True (tensors and plain values only), and DCP's
+`.metadata`, which torch unpickles freely, is read by an unpickler that knows only DCP's metadata classes;
+anything else is refused before it runs.
+
+Asynchronous saves copy the state in memory between steps and write it in the background: sharded, a thread
+lays the copy out and runs DCP's save on a process group of its own (its collectives cannot meet the
+training's); full, the state is gathered to rank 0 first and a thread writes the file. Training is blocked
+for the copy (and, full, the gather).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import __version__
+from .group import Group
+from .results import REPO_ROOT
+from .runtime import print0
+
+STATE_FORMAT = 1  # bump when the saved layout changes; load() refuses another one with a clear message
+FORMATS = ("full", "sharded")
+STOPPED = "STOPPED"  # a run that stopped itself (non-finite loss) leaves its reason here
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded: the message says which file or what differs, and what to do."""
+
+
+@dataclass
+class SaveReport:
+    """What one save cost: the seconds training was blocked, and where it went (path is final once committed)."""
+
+    path: Path
+    step: int
+    format: str
+    blocked_s: float
+    asynchronous: bool
+
+
+# ----------------------------------------------------------------------------- the training state
+
+def code_version() -> dict:
+    """nanodist's version and, in a git checkout, the commit: what wrote a checkpoint."""
+    commit = None
+    if (REPO_ROOT / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                    text=True, timeout=5).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"nanodist": __version__, "commit": commit, "torch": torch.__version__}
+
+
+def _state_model(trainer):
+    return trainer._model_for_state()
+
+
+def _param_names(trainer) -> dict[int, str]:
+    """id(parameter) -> name, for the parameters the optimizer steps (as the model names them)."""
+    return {id(p): n for n, p in _state_model(trainer).named_parameters()}
+
+
+def _is_fsdp(model) -> bool:
+    from .fsdp import FSDP
+    return isinstance(model, FSDP)
+
+
+def signature(trainer) -> dict:
+    """What must match for a checkpoint to load: every parameter's name, global shape and dtype, the optimizer
+    and its parameter groups (kinds and sizes)."""
+    params = {}
+    for name, p in _state_model(trainer).named_parameters():
+        shape = tuple(p.shape)
+        if _is_fsdp(trainer.model):  # shards: the original shape
+            unit = next(u for u in trainer.model.units if name in u.names)
+            shape = tuple(unit.shapes[unit.names.index(name)])
+            dtype = unit.shard.dtype
+        else:
+            dtype = p.dtype
+        params[name] = [list(shape), str(dtype).replace("torch.", "")]
+    opt = trainer.optimizer
+    groups = [{"size": len(g["params"]), "kind": g.get("kind", "adamw" if "betas" in g else "other")}
+              for g in opt.param_groups]
+    return {"params": params, "optimizer": type(opt).__name__, "param_groups": groups,
+            "wrapper": type(trainer.model).__name__}
+
+
+def _ensure_optimizer_state(trainer) -> None:
+    """Give every parameter the optimizer steps its state tensors (zeros), so that a state dict has every entry
+    to load into -- without a step, which would run collectives or move the parameters."""
+    opt = trainer.optimizer
+    init = getattr(opt, "init_state", None)
+    if callable(init):  # nanodist's ShardedOptimizer knows its own pieces
+        init()
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad or opt.state.get(p):
+                continue
+            if isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
+                st = {"step": torch.tensor(0.0, dtype=torch.float32),
+                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif isinstance(opt, torch.optim.SGD):
+                st = {"momentum_buffer": torch.zeros_like(p)} if group.get("momentum") else {}
+            else:
+                raise CheckpointError(f"cannot prepare {type(opt).__name__}'s state for loading: nanodist's "
+                                      f"checkpoints know AdamW, Adam, SGD and nanodist's sharded optimizers")
+            opt.state[p] = st
+
+
+def optimizer_state(trainer) -> dict:
+    """The optimizer's state keyed by parameter name, in a layout that does not depend on the world size."""
+    opt, model = trainer.optimizer, trainer.model
+    if _is_fsdp(model):
+        return model.optimizer_state_dict(opt)
+    sd = opt.state_dict()
+    sd.pop("zero", None)  # who saved it (rank, world size): differs by rank, and the name-keyed layout says enough
+    names = _param_names(trainer)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    if missing:
+        raise CheckpointError(f"the optimizer steps {len(missing)} parameter(s) the model does not have: build it "
+                              f"from the model's parameters")
+    order = [names[id(p)] for p in params]
+    return {"state": {order[i]: st for i, st in sd["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def load_optimizer_state(trainer, sd: dict) -> None:
+    opt, model = trainer.optimizer, trainer.model
+    if _is_fsdp(model):
+        model.load_optimizer_state_dict(opt, sd)
+        return
+    names = _param_names(trainer)
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    state = {order.index(n): st for n, st in sd["state"].items() if st}
+    groups = [{**g, "params": [order.index(n) for n in g["params"]]} for g in sd["param_groups"]]
+    if getattr(opt, "init_state", None) is not None:  # nanodist's sharded optimizers take DTensors or whole tensors
+        opt.load_state_dict({"state": state, "param_groups": groups})
+        return
+    plain = {}
+    for i, st in state.items():  # torch's optimizers: state tensors in the layout of their parameter
+        p = [q for g in opt.param_groups for q in g["params"]][i]
+        plain[i] = {k: _like(v, p) if torch.is_tensor(v) and k != "step" else v for k, v in st.items()}
+    opt.load_state_dict({"state": plain, "param_groups": groups})
+
+
+def _like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A saved state tensor in the layout of parameter p: a DTensor of p's mesh and placements when p is one
+    (FSDP2), cut from a whole tensor if need be; p's device otherwise."""
+    if hasattr(p, "device_mesh"):
+        if hasattr(t, "to_local"):
+            return t
+        return _dtensor_like(t, p)
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.to(p.device)
+
+
+def _dtensor_like(whole: torch.Tensor, like) -> torch.Tensor:
+    """`like`'s layout (a DTensor Shard(0) or Replicate on its mesh) filled from a whole tensor every rank has."""
+    from torch.distributed.tensor import DTensor, Shard
+    mesh, placements = like.device_mesh, like.placements
+    if tuple(whole.shape) != tuple(like.shape):
+        raise CheckpointError(f"a saved tensor has shape {tuple(whole.shape)}, the model's {tuple(like.shape)}")
+    local = whole
+    if placements and isinstance(placements[0], Shard):
+        dim, n, r = placements[0].dim, mesh.size(), mesh.get_local_rank()
+        size = -(-whole.shape[dim] // n)
+        a, b = min(r * size, whole.shape[dim]), min((r + 1) * size, whole.shape[dim])
+        local = whole.narrow(dim, a, b - a)
+    return DTensor.from_local(local.to(like.to_local().device).contiguous(), mesh, placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def training_state(trainer) -> dict:
+    """Trainer.state_dict() with the optimizer keyed by parameter name (see optimizer_state). A collective."""
+    state = trainer.state_dict()
+    state["optimizer"] = optimizer_state(trainer)
+    return state
+
+
+def _clone(value):
+    """A copy of a state tree that training cannot change any more (DTensors stay DTensors: a local copy)."""
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    return value
+
+
+def snapshot(trainer):
+    """The training state copied now, between steps, and a function `finish(group)` that returns it in the
+    saved layout -- a collective on `group` (the trainer's ranks, in order), which may run later in another
+    thread. Under nanodist.FSDP the snapshot is of the flat shards (a memory copy); laying them out per parameter
+    (an all-to-all) is left to finish(). Otherwise the state is laid out now and copied."""
+    model = trainer.model
+    if _is_fsdp(model):
+        state = trainer.state_dict(weights=False)
+        layout = model.state_snapshot(trainer.optimizer)
+
+        def finish(group=None):
+            state["model"], state["optimizer"] = layout(group)
+            return state
+
+        return finish
+    state = _clone(training_state(trainer))
+    return lambda group=None: state
+
+
+# ----------------------------------------------------------------------------- full format
+
+def _full(value, group: Group):
+    """The whole of a (possibly sharded) value: DTensors gathered (a collective, in the same order on every rank)."""
+    if isinstance(value, dict):
+        return {k: _full(v, group) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_full(v, group) for v in value)
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor().cpu()
+    if torch.is_tensor(value):
+        return value.detach().cpu().clone()
+    return value
+
+
+def _gather_full(state: dict, group: Group) -> dict | None:
+    """The full training state on the group's rank 0 (None elsewhere). Sharded tensors are gathered; what lives
+    on one rank only (a Muon momentum on its owner) and every rank's random generators are collected."""
+    full = _full({k: v for k, v in state.items() if k not in ("rng", "optimizer")}, group)
+    opt = state["optimizer"]
+    tensors = {n: {k: _full(v, group) if hasattr(v, "full_tensor") else None for k, v in st.items()}
+               for n, st in opt["state"].items()}  # the DTensors: every rank has each of them
+    local = {n: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in st.items()
+                 if not hasattr(v, "full_tensor")} for n, st in opt["state"].items()}
+    everyone = group.all_gather_object({"rng": state["rng"], "opt": local})
+    if not group.is_main:
+        return None
+    merged: dict = {}
+    for n in opt["state"]:
+        entry = {k: v for k, v in tensors[n].items() if v is not None}
+        for theirs in everyone:  # a value only one rank holds (Muon's momentum on its owner) comes from that rank
+            for k, v in theirs["opt"].get(n, {}).items():
+                entry.setdefault(k, v)
+        merged[n] = entry
+    full["optimizer"] = {"state": merged, "param_groups": opt["param_groups"]}
+    full["rng"] = {k: v for theirs in everyone for k, v in theirs["rng"].items()}
+    return full
+
+
+def _localize(saved, template, path: str = ""):
+    """A full state, loaded whole on every rank, in the live state's layout: where the live value is a DTensor,
+    this rank's chunk of the saved whole tensor."""
+    if isinstance(template, dict) and isinstance(saved, dict):
+        return {k: _localize(v, template.get(k), f"{path}.{k}" if path else str(k)) for k, v in saved.items()}
+    if template is not None and hasattr(template, "device_mesh") and torch.is_tensor(saved):
+        return _dtensor_like(saved, template)
+    return saved
+
+
+# ----------------------------------------------------------------------------- safe loading of DCP
+
+_DCP_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in
+    ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
+     ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name in a fixed table: nothing else
+     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's .metadata and nothing else: a global outside DCP's metadata classes and torch's dtypes
+    (a function to call, a class to build) is refused before anything runs."""
+
+    def find_class(self, module, name):
+        if (module, name) in _DCP_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                             torch.memory_format)):
+            return getattr(torch, name)
+        raise CheckpointError(f"refusing to load this checkpoint: its .metadata asks for {module}.{name}, which a "
+                              f"DCP checkpoint never contains (the file may have been crafted to run code)")
+
+
+def read_dcp_metadata(path: Path):
+    """DCP's metadata of a sharded checkpoint, through the restricted unpickler."""
+    with open(Path(path) / ".metadata", "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def _safe_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_dcp_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def _safe_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # non-tensor values: plain data only
+            from torch.distributed.checkpoint._traverse import set_element
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafePlanner()
+
+
+@contextlib.contextmanager
+def _one_process_is_fine():
+    """DCP warns that it 'assumes' a single process when there is no process group: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+# ----------------------------------------------------------------------------- files
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _manifest(directory: Path) -> dict:
+    return {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "meta.json"}
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def verify(path: Path) -> dict:
+    """Check a checkpoint directory against its meta.json (every file present, its size and checksum); return the
+    meta. Raises CheckpointError naming the first file that is missing, truncated or corrupted."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint: it has no meta.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{meta_path} is corrupted ({e})") from None
+    for name, want in meta.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing from the checkpoint")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{f} is truncated or changed: {size} bytes, {want['bytes']} when it was saved")
+        if _crc32(f) != want["crc32"]:
+            raise CheckpointError(f"{f} is corrupted: its checksum differs from the one saved with it")
+    return meta
+
+
+# ----------------------------------------------------------------------------- the manager
+
+class CheckpointManager:
+    """Saves, keeps the last `keep`, and finds and loads checkpoints in `directory` (see the module docstring).
+
+    Every rank constructs it (a collective where async_save needs its own process group) and calls save() and
+    resume() together. The directory is checked for writing here, before any training."""
+
+    def __init__(self, directory, *, keep: int = 3, format: str = "sharded", async_save: bool = False, group=None,
+                 record_fingerprint: bool = False):
+        if format not in FORMATS:
+            raise ValueError(f"checkpoint format must be one of {', '.join(FORMATS)}, got {format!r}")
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be a positive number of checkpoints, got {keep!r}")
+        self.directory, self.keep, self.format, self.async_save = Path(directory), keep, format, async_save
+        self.record_fingerprint = record_fingerprint  # meta.json gets fingerprint(trainer): costs one gather
+        self.group = Group.resolve(group)
+        self._check_writable()
+        self._async_pg = None
+        if async_save and self.group.size > 1 and format == "sharded":
+            # the background save runs collectives: on a group of its own they cannot meet the training's.
+            self._async_pg = dist.new_group(ranks=self.group.ranks, backend="gloo")
+        self._pending: dict | None = None
+        self.reports: list[SaveReport] = []
+
+    def _agree(self, value):
+        """Rank 0's value on every rank (the ranks act on one decision)."""
+        return self.group.broadcast_object(value)
+
+    def _check_writable(self) -> None:
+        problem = None
+        if self.group.is_main:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                probe = self.directory / f".probe-{uuid.uuid4().hex[:8]}"
+                probe.write_text("ok")
+                probe.unlink()
+            except OSError as e:
+                problem = (f"the checkpoint directory {self.directory} is not writable ({e.strerror or e}): choose "
+                           f"another with --checkpoint-dir, or fix its permissions")
+        problem = self._agree(problem)
+        if problem:
+            raise CheckpointError(problem)
+
+    # --- finding --------------------------------------------------------------------------------------
+
+    def complete(self) -> list[Path]:
+        """Committed checkpoints, oldest first (by step)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted((p for p in self.directory.glob("step_*") if p.is_dir() and (p / "meta.json").exists()),
+                      key=lambda p: p.name)
+
+    def latest(self) -> Path | None:
+        """What `latest` points at, if it names a committed checkpoint; else the newest committed one."""
+        pointer = self.directory / "latest"
+        if pointer.exists():
+            target = self.directory / pointer.read_text().strip()
+            if (target / "meta.json").exists():
+                return target
+        found = self.complete()
+        return found[-1] if found else None
+
+    def find(self, spec: str | os.PathLike | None) -> Path | None:
+        """The checkpoint `spec` names: "auto" (the newest good one, falling back past damaged ones with a
+        warning), a path, or "none"/None (start fresh). Decided on rank 0 and agreed by every rank."""
+        if spec is None or str(spec) == "none":
+            return None
+        choice, problem = None, None
+        if self.group.is_main:
+            if str(spec) == "auto":
+                candidates = self.complete()
+                latest = self.latest()
+                if latest is not None and latest in candidates:  # latest first, then the older ones
+                    candidates = [c for c in candidates if c != latest] + [latest]
+                for c in reversed(candidates):
+                    try:
+                        verify(c)
+                        choice = c
+                        break
+                    except CheckpointError as e:
+                        warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+            else:
+                try:
+                    verify(Path(spec))
+                    choice = Path(spec)
+                except CheckpointError as e:
+                    problem = str(e)
+        choice, problem = self._agree((choice, problem))
+        if problem:
+            raise CheckpointError(problem)
+        return choice
+
+    # --- saving ---------------------------------------------------------------------------------------
+
+    def _meta(self, trainer) -> dict:
+        return {"state_format": STATE_FORMAT, "code": code_version(), "format": self.format,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "step": trainer.step, "tokens_seen": trainer.tokens_seen, "run_id": trainer.run_id,
+                "world_size": self.group.size, "signature": signature(trainer),
+                "config": {k: v for k, v in vars(trainer.cfg).items() if isinstance(v, (int, float, str, bool))
+                           or v is None}}
+
+    def save(self, trainer) -> SaveReport:
+        """Save the trainer's whole state as step_<step>. Every rank calls it between steps. Synchronous: returns
+        once the checkpoint is committed. Asynchronous: returns after the snapshot; wait() commits."""
+        self.wait()  # one save at a time: the previous one is committed first
+        t0 = time.perf_counter()
+        name = f"step_{trainer.step:08d}"
+        tmp = None
+        if self.group.is_main:
+            for stale in self.directory.glob(".tmp-*"):  # saves that a killed process never finished
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = self.directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(parents=True)
+        tmp = Path(self._agree(str(tmp)))
+        meta = self._meta(trainer)
+        if self.record_fingerprint:
+            meta["fingerprint"] = fingerprint(trainer)
+        if self.format == "full":
+            full = _gather_full(training_state(trainer), self.group)
+            if self.group.is_main:
+                if self.async_save:
+                    thread = threading.Thread(target=self._write_full_and_commit, args=(full, tmp, name, meta),
+                                              daemon=True)
+                    thread.start()
+                    self._pending = {"thread": thread}
+                else:
+                    self._write_full_and_commit(full, tmp, name, meta)
+        elif self.async_save:  # copy now; lay out, write and commit in the background, on a group of its own
+            finish = snapshot(trainer)
+            thread = threading.Thread(target=self._save_sharded, args=(finish, tmp, name, meta, True), daemon=True)
+            thread.start()
+            self._pending = {"thread": thread}
+        else:
+            self._save_sharded(lambda group=None: training_state(trainer), tmp, name, meta, False)
+        if not self.async_save:
+            self.group.barrier()  # every rank returns once the checkpoint is committed
+        final = self.directory / name
+        report = SaveReport(path=final, step=trainer.step, format=self.format,
+                            blocked_s=time.perf_counter() - t0, asynchronous=self.async_save)
+        self.reports.append(report)
+        return report
+
+    def _write_full_and_commit(self, full: dict, tmp: Path, name: str, meta: dict) -> None:
+        with open(tmp / "state.pt", "wb") as f:
+            torch.save(full, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self._commit(tmp, name, meta)
+
+    def _save_sharded(self, finish, tmp: Path, name: str, meta: dict, background: bool) -> None:
+        """Every rank writes its part with DCP; rank 0, once DCP's last step (it gathers every rank's result)
+        is done, commits. In the background: on the manager's own process group, failures kept for wait()."""
+        from torch.distributed.checkpoint import FileSystemWriter
+        import torch.distributed.checkpoint as dcp
+        group = Group.of(self._async_pg) if background and self._async_pg is not None else self.group
+        try:
+            state = finish(group)
+            with _one_process_is_fine():
+                dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
+                         process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
+            if self.group.is_main:
+                self._commit(tmp, name, meta)
+        except BaseException as e:  # the save failed: no commit, the temporary directory stays to be cleaned
+            if not background:
+                raise
+            self._pending_error = e
+
+    def _commit(self, tmp: Path, name: str, meta: dict) -> None:
+        """Rank 0: checksums into meta.json, fsync, rename into place, point `latest` at it, drop the oldest."""
+        meta = {**meta, "files": _manifest(tmp)}
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync(f)
+        _write_json(tmp / "meta.json", meta)
+        _fsync(tmp)
+        final = self.directory / name
+        if final.exists():  # the same step saved again (a resumed run repeating it): the new one replaces it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(self.directory)
+        pointer_tmp = self.directory / f".latest.{uuid.uuid4().hex[:8]}"
+        with open(pointer_tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer_tmp, self.directory / "latest")
+        _fsync(self.directory)
+        for old in self.complete()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Until the asynchronous save in flight (if any) is written and committed."""
+        pending, self._pending = self._pending, None
+        if not pending:
+            return
+        pending["thread"].join()
+        error = getattr(self, "_pending_error", None)
+        if error is not None:
+            self._pending_error = None
+            raise CheckpointError(f"the asynchronous save failed: {error}") from error
+
+    def close(self) -> None:
+        self.wait()
+
+    # --- loading --------------------------------------------------------------------------------------
+
+    def resume(self, trainer, spec: str | os.PathLike | None = "auto") -> Path | None:
+        """Load the checkpoint `spec` names (see find) into the trainer; None, with a message, if there is none.
+        A run that stopped itself (a non-finite loss) left its reason: resuming it stops at once, with it."""
+        reason = self.stopped_reason()
+        if reason is not None:
+            raise CheckpointError(f"this run stopped itself earlier and was not restarted: {reason} (remove "
+                                  f"{self.directory / STOPPED} to resume anyway)")
+        path = self.find(spec)
+        if path is None:
+            if spec not in (None, "none"):
+                print0(f"no checkpoint in {self.directory}: starting fresh")
+            return None
+        load(path, trainer, group=self.group)
+        print0(f"resumed from {path} at step {trainer.step}")
+        return path
+
+    def stopped_reason(self) -> str | None:
+        f = self.directory / STOPPED
+        return f.read_text().strip() if f.exists() else None
+
+    def mark_stopped(self, reason: str) -> None:
+        """Rank 0 writes why the run stopped itself beside the checkpoints (a torchrun restart then stops too)."""
+        if self.group.is_main:
+            with open(self.directory / STOPPED, "w") as f:
+                f.write(reason + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def _check_compatible(meta: dict, trainer, group: Group) -> None:
+    if meta.get("state_format") != STATE_FORMAT:
+        code = meta.get("code", {})
+        raise CheckpointError(f"this checkpoint has state format {meta.get('state_format')} (written by nanodist "
+                              f"{code.get('nanodist')}, commit {code.get('commit')}); this code reads format "
+                              f"{STATE_FORMAT} (nanodist {__version__}). Load it with the code that wrote it.")
+    saved, mine = meta["signature"], signature(trainer)
+    problems = []
+    for name in sorted(set(saved["params"]) | set(mine["params"])):
+        a, b = saved["params"].get(name), mine["params"].get(name)
+        if a is None:
+            problems.append(f"the model has {name} {b[0]}, the checkpoint does not")
+        elif b is None:
+            problems.append(f"the checkpoint has {name} {a[0]}, the model does not")
+        elif a[0] != b[0]:
+            problems.append(f"{name}: saved with shape {tuple(a[0])}, the model has {tuple(b[0])}")
+    if problems:
+        raise CheckpointError("this checkpoint is from another model: " + "; ".join(problems[:5]) +
+                              (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    if saved["optimizer"] != mine["optimizer"] or [g["kind"] for g in saved["param_groups"]] != \
+            [g["kind"] for g in mine["param_groups"]]:
+        raise CheckpointError(f"this checkpoint holds the state of {saved['optimizer']} (groups "
+                              f"{[g['kind'] for g in saved['param_groups']]}), this run uses {mine['optimizer']} "
+                              f"({[g['kind'] for g in mine['param_groups']]}): build the same optimizer")
+
+
+def _agree_ok(group: Group, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed (and why): all raise together, none waits for a peer."""
+    message = None if error is None else (str(error) if isinstance(error, CheckpointError)
+                                          else f"{type(error).__name__}: {str(error)[:300]}")
+    everyone = group.all_gather_object(message) if group.size > 1 else [message]
+    failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise CheckpointError(f"{what} failed on rank {r}" + (f" (and {len(failed) - 1} other rank(s))"
+                                                              if len(failed) > 1 else "") + f": {m}") from error
+
+
+def load(path, trainer, group=None) -> dict:
+    """Load the checkpoint at `path` into `trainer` (every rank). Returns its meta. Raises CheckpointError saying
+    what differs when it does not fit this model and optimizer -- on every rank, when any rank fails."""
+    path = Path(path)
+    group = Group.resolve(group)
+    meta, state, error = None, None, None
+    try:
+        meta = read_meta(path)
+        _check_compatible(meta, trainer, group)
+        if meta["format"] == "sharded":
+            read_dcp_metadata(path)  # refuses a crafted .metadata here, with its own message, on every rank
+        _ensure_optimizer_state(trainer)
+    except Exception as e:  # noqa: BLE001 -- every rank must hear of it
+        error = e
+    _agree_ok(group, error, f"loading {path}")
+    template = training_state(trainer)  # the live state in its own layout: what the saved values go into
+    if meta["format"] == "full":
+        try:
+            try:
+                saved = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 -- any failure to read is this file's fault: say which
+                raise CheckpointError(f"cannot read {path / 'state.pt'}: {type(e).__name__}: {str(e)[:300]}") from e
+            state = _localize(saved, template)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        _agree_ok(group, error, f"loading {path}")
+    else:
+        import torch.distributed.checkpoint as dcp
+        saved_ranks = {f"rank{r}" for r in range(meta["world_size"])}
+        template["rng"] = {k: v for k, v in template["rng"].items() if k in saved_ranks}
+        try:
+            with _one_process_is_fine():
+                dcp.load(template, storage_reader=_safe_reader(path), planner=_safe_planner(),
+                         process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
+        except CheckpointError:
+            raise
+        except Exception as e:  # DCP gathers every rank's failure and raises it on all of them
+            refused = _find_refusal(e)
+            raise (refused or CheckpointError(f"cannot load the sharded checkpoint {path}: {str(e)[:600]}")) from e
+        state = template
+    try:
+        load_optimizer_state(trainer, state.pop("optimizer"))
+        state["optimizer"] = None
+        trainer.load_state_dict(state, optimizer=False)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree_ok(group, error, f"loading {path}")
+    return meta
+
+
+def _find_refusal(e: BaseException) -> CheckpointError | None:
+    """The CheckpointError (a refused .metadata) inside DCP's wrapped exception, if there is one."""
+    seen = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen or x is None:
+            continue
+        seen.add(id(x))
+        if isinstance(x, CheckpointError):
+            return x
+        stack += [x.__cause__, x.__context__]
+        for v in getattr(x, "failures", {}).values():  # torch's CheckpointException: rank -> (exception, traceback)
+            stack.append(v[0] if isinstance(v, tuple) else v)
+    return None
+
+
+def read_meta(path) -> dict:
+    """A checkpoint's meta.json (plain JSON: safe to read from anywhere)."""
+    f = Path(path) / "meta.json"
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint: it has no meta.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is corrupted ({e})") from None
+
+
+def fingerprint(trainer) -> str:
+    """SHA-256 of every parameter and optimizer-state tensor, whole and by name: equal for two runs exactly when
+    their states are bitwise equal, whatever the world size or the layout of the shards. A collective."""
+    import hashlib
+    full = _gather_full(training_state(trainer), trainer.group)
+    digest = None
+    if trainer.group.is_main:
+        h = hashlib.sha256()
+        items = [(f"model.{n}", t) for n, t in full["model"].items()]
+        items += [(f"optimizer.{n}.{k}", t) for n, st in full["optimizer"]["state"].items() for k, t in st.items()]
+        for name, t in sorted(items, key=lambda kv: kv[0]):
+            if torch.is_tensor(t):
+                t = t.detach().cpu().contiguous()
+                h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest = h.hexdigest()
+    return trainer.group.broadcast_object(digest)

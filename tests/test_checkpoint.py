@@ -1,0 +1,455 @@
+"""Checkpoints (nanodist.checkpoint and lab 6): the whole training state round-trips in both formats; a run killed by
+SIGKILL under torchrun --max-restarts=1 resumes bit for bit; sharded checkpoints reshard 2 -> 3 -> 1 with every
+window read exactly once; a save killed midway, a truncated or corrupted file and a crafted pickle are all handled;
+bad input is refused with a message that says what differs."""
+import argparse
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanodist as nd
+from nanodist import experiment
+from nanodist.check import check_sampler_exactly_once
+from nanodist.checkpoint import (STATE_FORMAT, CheckpointError, CheckpointManager, fingerprint, load, read_meta,
+                                 verify)
+from nanodist.group import Group
+from nanodist.testing import spawn
+
+TINY = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--no-progress", "--steps", "8",
+        "--checkpoint-every", "4"]
+LAUNCH_S = 120  # each launch bounds its own wait
+
+
+# ----------------------------------------------------------------------------- lab 6 under torchrun
+
+_runs: dict = {}
+
+
+def lab6(root: Path, key: str, nproc: int, args: list, restarts: int = 0, env: dict | None = None):
+    """Run lab 6 once per key for the whole module (tests share the uninterrupted runs)."""
+    if key not in _runs:
+        results = root / "results"
+        _runs[key] = nd.launch("lab06_checkpoint", nproc=nproc, args=TINY + args, timeout=LAUNCH_S, echo=False,
+                               restarts=restarts, env={"NANODIST_RESULTS_DIR": str(results), **(env or {})})
+    return _runs[key]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("lab6")
+
+
+def straight(root: Path, impl: str):
+    """The uninterrupted run at W = 2: sharded checkpoints at steps 4 and 8."""
+    return lab6(root, f"straight-{impl}", 2, ["--impl", impl, "--checkpoint-dir", str(root / f"straight-{impl}")])
+
+
+def per_step(rec: dict) -> dict:
+    """step -> loss, keeping the last record of each step (what every reader of a resumed run does)."""
+    return {s["step"]: s["loss"] for s in rec["steps"]}
+
+
+KILLED = {  # three set-ups, each with its own checkpoint format or save mode
+    "ddp": ["--checkpoint-format", "sharded", "--wandb"],
+    "zero": ["--checkpoint-format", "full"],
+    "fsdp": ["--checkpoint-format", "sharded", "--async-checkpoint"],
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("impl", list(KILLED))
+def test_a_run_killed_by_sigkill_resumes_bit_exactly_under_torchrun(root, impl):
+    base = straight(root, impl)
+    die_at = random.Random().randint(5, 7)  # any step: the property holds for all of them
+    ck = root / f"killed-{impl}"
+    wandb_dir = root / f"wandb-{impl}"
+    wandb_dir.mkdir()
+    run = lab6(root, f"killed-{impl}", 2, ["--impl", impl, "--checkpoint-dir", str(ck), "--die-at", str(die_at)]
+               + KILLED[impl], restarts=1, env={"WANDB_DIR": str(wandb_dir), "WANDB_MODE": "offline"})
+    why = f"{impl}, rank 1 killed before step {die_at}"
+    assert run.restarts == 1, why
+    assert "is about to be killed by SIGKILL" in run.output
+    m, m0 = run.results["metrics"], base.results["metrics"]
+    assert m["attempt"] == 1 and m["resumed"]["attempt"] == 1, why
+    assert m["resumed"]["step"] == 4 or (impl == "fsdp" and m["resumed"]["step"] in (0, 4)), why
+    # bitwise: SHA-256 of every parameter and optimizer-state tensor, whole
+    assert m["fingerprint"] == m0["fingerprint"], why
+    # one results file for the run, every step once, the loss curve identical
+    rec = run.results
+    assert rec["run_id"] == read_meta(ck / "step_00000008")["run_id"]
+    assert len(rec["resumes"]) == 1 and rec["complete"]
+    assert sorted(per_step(rec)) == list(range(8))
+    assert per_step(rec) == per_step(base.results), why
+    # the checkpoints: committed, latest at the end, nothing half-written left
+    assert (ck / "latest").read_text().strip() == "step_00000008"
+    assert not list(ck.glob(".tmp-*"))
+    verify(ck / "step_00000008")
+    if "--wandb" in KILLED[impl]:  # both attempts log into one wandb run (offline: two directories, one id)
+        ids = {p.stem.split("-")[-1] for p in wandb_dir.rglob("run-*.wandb")}
+        assert len(list(wandb_dir.rglob("run-*.wandb"))) == 2 and len(ids) == 1, ids
+
+
+def exactly_once(segments: list[dict]) -> None:
+    """Windows read by a chain of runs, each resumed where the checkpoint it loaded left off: with the sampler
+    checker, every window of the epoch up to the last run's cursor is read exactly once, across world sizes."""
+    read = []
+    for seg, nxt in zip(segments, segments[1:] + [None]):
+        stop = nxt["start"] if nxt else seg["stop"]
+        mine = [[p for p in ps if p < stop] for ps in seg["positions"]]
+        # within the segment, at its own world size: a distributed sampler's even split
+        check_sampler_exactly_once([[p - seg["start"] for p in ps] for ps in mine], stop - seg["start"],
+                                   drop_last=True)
+        read += [p for ps in mine for p in ps]
+    check_sampler_exactly_once([read], segments[-1]["stop"], drop_last=True)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("impl", ["zero", "fsdp", "fsdp2"])
+def test_a_sharded_checkpoint_reshards_from_2_to_3_to_1_ranks(root, impl):
+    base = straight(root, impl)
+    first = root / f"straight-{impl}" / "step_00000004"
+    at3 = lab6(root, f"at3-{impl}", 3, ["--impl", impl, "--checkpoint-dir", str(root / f"at3-{impl}"),
+                                         "--checkpoint-every", "2", "--resume", str(first)])
+    second = root / f"at3-{impl}" / "step_00000006"
+    at1 = lab6(root, f"at1-{impl}", 1, ["--impl", impl, "--checkpoint-dir", str(root / f"at1-{impl}"),
+                                         "--resume", str(second)])
+    m3, m1 = at3.results["metrics"], at1.results["metrics"]
+    # parameters and optimizer state equal at the load point (the fingerprint is of the whole tensors)
+    assert read_meta(first)["world_size"] == 2 and read_meta(second)["world_size"] == 3
+    assert m3["resumed"] == {**m3["resumed"], "step": 4, "world_size": 3,
+                             "fingerprint": read_meta(first)["fingerprint"]}
+    assert m1["resumed"] == {**m1["resumed"], "step": 6, "world_size": 1,
+                             "fingerprint": read_meta(second)["fingerprint"]}
+    assert m1["fingerprint"] == read_meta(root / f"at1-{impl}" / "step_00000008")["fingerprint"]
+    # the data: every window of the epoch read once, across 2, then 3, then 1 rank(s)
+    exactly_once([base.results["metrics"]["windows"], m3["windows"], m1["windows"]])
+    assert m3["windows"]["world_size"] == 3 and m1["windows"]["world_size"] == 1
+    # one run: the same results file goes on, each step once
+    assert at1.results["run_id"] == at3.results["run_id"] == base.results["run_id"]
+    assert [r["world_size"] for r in at1.results["resumes"]] == [3, 1]
+    assert sorted(per_step(at1.results)) == list(range(8))
+
+
+def test_the_lab_refuses_bad_flags_before_training(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    for args, says in ((["--steps", "8"], "--checkpoint-dir is required"),
+                       (["--checkpoint-dir", str(tmp_path), "--die-at", "1", "--die-rank", "1"], "--die-rank must be"),
+                       (["--checkpoint-dir", str(tmp_path), "--die-at", "20", "--die-rank", "0"],
+                        "--die-at must be a step between 1"),
+                       (["--checkpoint-dir", str(tmp_path / "file" / "sub")], "is not writable")):
+        with pytest.raises(nd.LaunchError) as e:
+            nd.launch("lab06_checkpoint", nproc=1, args=["--model", "tiny", "--micro-batch", "2", "--seq-len",
+                                                          "16", "--no-progress"] + args,
+                      timeout=LAUNCH_S, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path / "r")})
+        assert says in str(e.value), str(e.value)
+
+
+# ----------------------------------------------------------------------------- in-process: the state itself
+
+def make_args(*extra):
+    p = argparse.ArgumentParser()
+    experiment.add_arguments(p)
+    args = p.parse_args(["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--no-progress", "--steps",
+                         "6", "--shared-memory", "off", *extra])
+    return args
+
+
+def make_run(wrapper="single", optimizer="adamw", group=None, manager=None, every=0):
+    args = make_args()
+    data = experiment.load_data(args)
+    return experiment.build(args, data, Group.resolve(group), wrapper=wrapper, optimizer=optimizer, name="t",
+                            checkpoints=manager, checkpoint_every=every)
+
+
+SETUPS = [("nanodist-pg", "adamw"), ("none", "dist-adamw"), ("none", "dist-muon"),
+          ("fsdp", "adamw"), ("fsdp2", "adamw")]
+
+
+def round_trip_worker(rank, world, directory):
+    """Every set-up, both formats, sync and async: train 3 steps, save, load into a fresh run at step 0; the state
+    (fingerprint, step, tokens, schedule, cursor, generators) and the next two losses equal the original's."""
+    out = []
+    for wrapper, optimizer in SETUPS:
+        for fmt, asynchronous in (("full", False), ("sharded", False), ("sharded", True), ("full", True)):
+            d = Path(directory) / f"{wrapper}-{optimizer}-{fmt}-{asynchronous}"
+            mgr = CheckpointManager(d, format=fmt, async_save=asynchronous, record_fingerprint=True)
+            a = make_run(wrapper, optimizer)
+            a.trainer.fit(max_steps=3)
+            report = mgr.save(a.trainer)
+            mgr.wait()
+            saved = fingerprint(a.trainer)
+            sd = a.trainer.state_dict()
+            b = make_run(wrapper, optimizer)
+            assert mgr.resume(b.trainer, "auto") == d / "step_00000003"
+            loaded = b.trainer.state_dict()
+            restored = fingerprint(b.trainer)
+            same = {k: sd[k] == loaded[k] for k in ("step", "tokens_seen", "scheduler", "data", "run_id")}
+            rng_same = all(torch.equal(x, y) if torch.is_tensor(x) else x == y
+                           for x, y in zip(_flat(sd["rng"]), _flat(loaded["rng"])))
+            la = [h["loss"] for h in a.trainer.fit(max_steps=2)[-2:]]
+            lb = [h["loss"] for h in b.trainer.fit(max_steps=2)[-2:]]
+            out.append({"setup": (wrapper, optimizer, fmt, asynchronous), "fp": (saved, restored),
+                        "meta_fp": read_meta(d / "step_00000003")["fingerprint"], "same": same, "rng": rng_same,
+                        "losses": (la, lb), "blocked": report.blocked_s, "async": report.asynchronous})
+            mgr.close()
+    return out
+
+
+def _flat(tree):
+    if isinstance(tree, dict):
+        for k in sorted(tree):
+            yield from _flat(tree[k])
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _flat(v)
+    else:
+        yield tree
+
+
+@pytest.mark.dist
+def test_every_stateful_piece_round_trips_in_both_formats(tmp_path):
+    outs = spawn(round_trip_worker, 2, args=(str(tmp_path),), timeout=120)
+    for rank_out in outs:
+        assert len(rank_out) == 4 * len(SETUPS)
+        for o in rank_out:
+            assert o["fp"][0] == o["fp"][1] == o["meta_fp"], o["setup"]
+            assert all(o["same"].values()) and o["rng"], (o["setup"], o["same"])
+            assert o["losses"][0] == o["losses"][1], o["setup"]
+            assert o["async"] == o["setup"][3]
+
+
+def reshard_full_worker(rank, world, directory, step):
+    """Load the full checkpoints saved at W = 2 at this world size: the state is the saved one."""
+    out = {}
+    for wrapper, optimizer in (("fsdp", "adamw"), ("none", "dist-muon"), ("fsdp2", "adamw")):
+        d = Path(directory) / f"{wrapper}-{optimizer}"
+        if step == "save":
+            mgr = CheckpointManager(d, format="full", record_fingerprint=True)
+            a = make_run(wrapper, optimizer)
+            a.trainer.fit(max_steps=2)
+            mgr.save(a.trainer)
+        else:
+            b = make_run(wrapper, optimizer)
+            meta = load(d / "step_00000002", b.trainer)
+            out[wrapper, optimizer] = (meta["fingerprint"], fingerprint(b.trainer), b.trainer.step)
+    return out
+
+
+@pytest.mark.dist
+def test_a_full_checkpoint_loads_at_any_world_size_and_in_plain_torch(tmp_path):
+    spawn(reshard_full_worker, 2, args=(str(tmp_path), "save"), timeout=120)
+    for world in (3, 1):
+        for rank_out in spawn(reshard_full_worker, world, args=(str(tmp_path), "load"), timeout=120):
+            for setup, (saved, now, step) in rank_out.items():
+                assert saved == now and step == 2, (world, setup)
+    # one file that torch alone reads, tensors and plain values only
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sd = torch.load({str(tmp_path / 'fsdp-adamw' / 'step_00000002' / 'state.pt')!r}, weights_only=True)
+        assert not any(m.startswith('nanodist') for m in sys.modules)
+        print(sorted(sd), sd['step'], sorted(sd['rng']), tuple(sd['model']['wte.weight'].shape))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert "'model', 'optimizer', 'rng'" in out.stdout and " 2 ['rank0', 'rank1'] " in out.stdout
+
+
+def failing_load_worker(rank, world, directory):
+    """Rank 1 cannot read the file; every rank must fail, saying so, and none may wait for the others."""
+    mgr = CheckpointManager(directory, format="full")
+    a = make_run("fsdp", "adamw")
+    a.trainer.fit(max_steps=1)
+    mgr.save(a.trainer)
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise OSError("Input/output error (simulated on rank 1)")
+        torch.load = broken
+    try:
+        load(mgr.latest(), make_run("fsdp", "adamw").trainer)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_a_rank_that_cannot_load_makes_every_rank_fail_with_its_reason(tmp_path):
+    for msg in spawn(failing_load_worker, 2, args=(str(tmp_path),), timeout=120):
+        assert msg is not None and "failed on rank 1" in msg and "simulated on rank 1" in msg and "state.pt" in msg
+
+
+# ----------------------------------------------------------------------------- one process: files and faults
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints at steps 2, 4 and 6 of a one-process run, in both formats."""
+    root = tmp_path_factory.mktemp("ckpt")
+    for fmt in ("full", "sharded"):
+        mgr = CheckpointManager(root / fmt, format=fmt, keep=3)
+        make_run(manager=mgr, every=2).trainer.fit()
+    return root
+
+
+def test_keep_k_latest_and_the_files_are_checksummed(saved):
+    for fmt in ("full", "sharded"):
+        mgr = CheckpointManager(saved / fmt, format=fmt)
+        assert [p.name for p in mgr.complete()] == ["step_00000002", "step_00000004", "step_00000006"]
+        assert mgr.latest().name == "step_00000006" == (saved / fmt / "latest").read_text().strip()
+        meta = verify(mgr.latest())
+        assert meta["state_format"] == STATE_FORMAT and meta["world_size"] == 1 and meta["format"] == fmt
+        assert meta["code"]["nanodist"] == nd.__version__ and meta["config"]["steps"] == 6
+        assert meta["files"] and all(len(f["crc32"]) == 8 for f in meta["files"].values())
+
+
+def _damaged_copy(saved, tmp_path, fmt):
+    import shutil
+    d = tmp_path / fmt
+    shutil.copytree(saved / fmt, d)
+    newest = d / "step_00000006"
+    victim = max((f for f in newest.rglob("*") if f.is_file() and f.name != "meta.json"), key=lambda f: f.stat().st_size)
+    return d, victim
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+@pytest.mark.parametrize("damage", ["truncated", "corrupted"])
+def test_a_damaged_file_is_named_and_the_manager_falls_back(saved, tmp_path, fmt, damage):
+    d, victim = _damaged_copy(saved, tmp_path, fmt)
+    data = victim.read_bytes()
+    if damage == "truncated":
+        victim.write_bytes(data[:len(data) // 2])
+    else:  # one flipped byte, same size
+        victim.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    with pytest.raises(CheckpointError, match=f"{victim}.* is {damage}"):
+        verify(d / "step_00000006")
+    mgr = CheckpointManager(d, format=fmt)
+    with pytest.warns(UserWarning, match=f"{victim.name}.*falling back to the previous checkpoint"):
+        found = mgr.find("auto")
+    assert found.name == "step_00000004"
+    with pytest.raises(CheckpointError, match=damage):
+        mgr.find(d / "step_00000006")  # asked for by path: an error, no silent substitute
+    run = make_run()
+    assert mgr.resume(run.trainer, "auto") == found and run.trainer.step == 4
+
+
+KILL_IN_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import torch
+from tests.test_checkpoint import make_run
+from nanodist import checkpoint
+from nanodist.checkpoint import CheckpointManager
+mgr = CheckpointManager({directory!r}, format={fmt!r})
+run = make_run(manager=mgr, every=2)
+run.trainer.fit(max_steps=2)                        # step_00000002: committed
+original = torch.save
+def half_then_die(obj, f, *a, **k):                 # the full format: half the file written, then SIGKILL
+    original(obj, f, *a, **k); f.flush(); f.truncate(f.tell() // 2); os.kill(os.getpid(), signal.SIGKILL)
+torch.save = half_then_die
+checkpoint.CheckpointManager._commit = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # sharded: before rename
+run.trainer.fit(max_steps=2)                        # dies in the save of step 4
+"""
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_usable(tmp_path, fmt):
+    repo = str(Path(__file__).resolve().parents[1])
+    code = KILL_IN_SAVE.format(repo=repo, directory=str(tmp_path), fmt=fmt)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo,
+                         env={**os.environ, "NANODIST_TIMEOUT": "60"})
+    assert out.returncode == -9, out.stderr[-2000:]
+    partial = list(tmp_path.glob(".tmp-step_00000004-*"))
+    assert len(partial) == 1 and any(f.is_file() for f in partial[0].rglob("*")), "the save died midway"
+    assert (tmp_path / "latest").read_text().strip() == "step_00000002"
+    mgr = CheckpointManager(tmp_path, format=fmt)
+    assert [p.name for p in mgr.complete()] == ["step_00000002"]  # the partial one is not a checkpoint
+    run = make_run(manager=mgr, every=2)
+    assert mgr.resume(run.trainer, "auto").name == "step_00000002" and run.trainer.step == 2
+    run.trainer.fit()  # the next save cleans the partial one up
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert [p.name for p in mgr.complete()] == ["step_00000002", "step_00000004", "step_00000006"]
+
+
+class _RunsCode:
+    """A pickle that would run `touch <marker>` when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_pickle_is_refused_and_never_runs(saved, tmp_path):
+    import shutil
+    marker = tmp_path / "pwned"
+    # sharded: DCP's .metadata replaced by a pickle that calls os.system
+    d = tmp_path / "sharded"
+    shutil.copytree(saved / "sharded", d)
+    step = d / "step_00000006"
+    (step / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    meta = read_meta(step)
+    meta["files"].pop(".metadata")  # an attacker who rewrites the checksums too
+    (step / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="refusing to load this checkpoint: its .metadata asks for "
+                                              "(posix|os).system"):
+        load(step, make_run().trainer)
+    # full: state.pt replaced likewise; torch.load(weights_only=True) refuses it
+    d = tmp_path / "full"
+    shutil.copytree(saved / "full", d)
+    step = d / "step_00000006"
+    with open(step / "state.pt", "wb") as f:
+        pickle.dump(_RunsCode(marker), f)
+    meta = read_meta(step)
+    meta["files"].pop("state.pt")
+    (step / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"cannot read .*state.pt: UnpicklingError.*weights_only"):
+        load(step, make_run().trainer)
+    assert not marker.exists(), "the crafted pickle ran"
+
+
+def test_a_checkpoint_of_another_model_optimizer_or_format_is_refused_saying_what_differs(saved, tmp_path):
+    step = saved / "sharded" / "step_00000006"
+    args = make_args("--model", "small")
+    other = experiment.build(args, experiment.load_data(args), Group.world(), wrapper="single", optimizer="adamw")
+    with pytest.raises(CheckpointError, match=r"another model: .*shape"):
+        load(step, other.trainer)
+    with pytest.raises(CheckpointError, match=r"holds the state of AdamW.*this run uses ShardedOptimizer"):
+        load(step, make_run("none", "dist-muon").trainer)
+    import shutil
+    shutil.copytree(step, tmp_path / "old")
+    meta = read_meta(tmp_path / "old")
+    meta["state_format"] = STATE_FORMAT + 1
+    (tmp_path / "old" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"state format {STATE_FORMAT + 1} .* this code reads format "
+                                              f"{STATE_FORMAT}"):
+        load(tmp_path / "old", make_run().trainer)
+
+
+def test_no_checkpoint_starts_fresh_and_an_unwritable_directory_fails_first(tmp_path, capsys):
+    mgr = CheckpointManager(tmp_path / "new")
+    run = make_run()
+    assert mgr.resume(run.trainer, "auto") is None and run.trainer.step == 0
+    assert "no checkpoint in" in capsys.readouterr().out
+    assert mgr.resume(run.trainer, "none") is None
+    with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
+        mgr.resume(run.trainer, tmp_path / "nowhere")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is not writable.*--checkpoint-dir"):
+        CheckpointManager(tmp_path / "file" / "ckpt")
+    for bad, says in (({"format": "zip"}, "format must be one of full, sharded"), ({"keep": 0}, "keep must be")):
+        with pytest.raises(ValueError, match=says):
+            CheckpointManager(tmp_path / "x", **bad)
+
+
+def test_a_run_that_stopped_itself_stops_again_when_restarted(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.mark_stopped("step 3: the loss is nan on rank 1")
+    with pytest.raises(CheckpointError, match="stopped itself earlier.*loss is nan on rank 1.*STOPPED"):
+        mgr.resume(make_run().trainer, "auto")
