@@ -112,6 +112,8 @@ def build_book(execute: bool, strict: bool) -> None:
                 "execute_notebooks: force", "execute_notebooks: \"off\"")
             if "execute_notebooks: \"off\"" not in text:
                 sys.exit("dev.py: _config.yml must contain 'execute_notebooks: force'")
+            # paths in the config are relative to its folder: the copy lives elsewhere
+            text = text.replace(": book/_ext", f": {ROOT / 'book' / '_ext'}")
             cfg.write_text(text)
             cmd += ["--config", cfg]
         run(cmd, cwd=ROOT, env=venv_env())

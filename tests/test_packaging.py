@@ -37,6 +37,24 @@ def test_readme_quickstart_is_two_commands_and_ci_runs_the_second():
 
 def test_every_notebook_is_in_the_book():
     toc = yaml.safe_load((ROOT / "book" / "_toc.yml").read_text())
-    files = {c["file"] for c in toc["chapters"]} | {toc["root"]}
-    notebooks = {p.stem for p in (ROOT / "book").glob("*.ipynb")}
-    assert notebooks <= files, f"notebooks missing from book/_toc.yml: {notebooks - files}"
+    files = {c["file"] for part in toc["parts"] for c in part["chapters"]} | {toc["root"]}
+    pages = {p.stem for p in (ROOT / "book").glob("*.ipynb")} | {p.stem for p in (ROOT / "book").glob("*.md")}
+    assert pages <= files, f"pages missing from book/_toc.yml: {pages - files}"
+    assert files <= pages, f"book/_toc.yml lists pages that do not exist: {files - pages}"
+
+
+def test_the_repository_address_is_written_in_one_place():
+    """pyproject's [project.urls] Repository is the address; the book reads it at build time (no page types it) and
+    the README, which GitHub shows as is, agrees with it."""
+    import re
+    import sys
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    from project_urls import TOKEN, repository_url
+    url = repository_url()
+    assert url.startswith("https://")
+    readme_urls = set(re.findall(r"https://github\.com/[\w.-]+/[\w.-]+", (ROOT / "README.md").read_text()))
+    assert readme_urls == {url}, readme_urls
+    pages = list((ROOT / "book").glob("*.md")) + list((ROOT / "book").glob("*.ipynb"))
+    assert any(TOKEN in p.read_text() for p in pages)
+    for p in pages:
+        assert url not in p.read_text(), f"{p.name} types the repository address: write {TOKEN} instead"

@@ -538,7 +538,7 @@ print("resumed from:", CheckpointManager(work / "empty").resume(make_trainer(), 
 """)
 
 md(r"""
-And a run that stopped itself, for a non-finite loss (Chapter 7), leaves its reason in a `STOPPED` file
+And a run that stopped itself, for a non-finite loss (`TrainConfig(nonfinite="stop")`), leaves its reason in a `STOPPED` file
 beside the checkpoints: a group that torchrun restarts reads it and stops at once with the same message,
 instead of loading the last checkpoint and walking into the same NaN again, restart after restart.
 
