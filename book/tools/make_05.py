@@ -14,7 +14,7 @@ ZeRO stages 1 and 2 (Chapter 4) shard the optimizer state and the gradients, but
 every parameter: $2\Psi$ bytes in mixed precision, a floor that no number of GPUs lowers. A 70-billion
 parameter model needs 140 GB for its bf16 weights alone, nearly twice what an 80 GB H100 holds.
 
-**Fully sharded data parallelism** (FSDP, the ZeRO paper's stage 3) removes the floor. Each rank keeps
+**Fully sharded data parallelism** (FSDP, the ZeRO paper's stage 3 {cite}`rajbhandari2020zero`; PyTorch's implementation is described in {cite}`zhao2023fsdp`) removes the floor. Each rank keeps
 $1/N$ of the parameters, and a piece of the model is assembled only while it computes: gathered from
 all ranks just before its forward, thrown away just after, gathered again for its backward, and its
 gradient reduce-scattered so that each rank keeps the $1/N$ it owns. The memory of the model states

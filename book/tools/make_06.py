@@ -471,7 +471,7 @@ training is blocked per save. A failure, arriving on average every $M$ seconds (
 failures of the whole job), loses on average half an interval of work, $\tau/2$, plus the restart $R$.
 The expected fraction of time lost is therefore about
 $$\frac{C}{\tau} + \frac{\tau/2 + R}{M},$$
-smallest at **Young's interval** $\tau^* = \sqrt{2CM}$ (Daly refined it for large $C/M$). Both are in
+smallest at **Young's interval** $\tau^* = \sqrt{2CM}$ {cite}`young1974checkpoint` (Daly refined it for large $C/M$ {cite}`daly2006checkpoint`). Both are in
 `nanodist.costmodel`:
 """)
 
