@@ -4,6 +4,9 @@
     python3 dev.py book    # virtualenv + every dependency, then build the book, executing every chapter
     python3 dev.py test    # virtualenv + every dependency, then the whole suite (what CI runs)
 
+    python3 dev.py book --cached   # build from the outputs committed in the notebooks: no execution, < 1 min
+    python3 dev.py site-check      # open every built page in the system's headless Chromium (see book/tools)
+
 `python3 dev.py setup` only prepares `.venv`. Needs nothing but Python >= 3.10 and pip.
 
 torch is installed with care: the default PyPI wheel for Linux carries several GB of CUDA
@@ -25,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -120,6 +124,11 @@ def build_book(execute: bool, strict: bool) -> None:
     say(f"the book is in {ROOT / '_build' / 'html' / 'index.html'}")
 
 
+def site_check(require: bool) -> None:
+    run([PY, ROOT / "book" / "tools" / "site_check.py", *(["--require"] if require else [])], cwd=ROOT,
+        env=venv_env())
+
+
 def test(pytest_args: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="nanodist-results-") as results:
         env = venv_env(NANODIST_RESULTS_DIR=results)
@@ -127,18 +136,27 @@ def test(pytest_args: list[str]) -> None:
         run([PY, "-m", "pytest", "tests", *notebooks, "--nbval", "--nbval-cell-timeout=600",
              "-p", "no:cacheprovider", *pytest_args], cwd=ROOT, env=env)
     build_book(execute=False, strict=True)
+    site_check(require=True)  # CI installs Chromium (.ci/run); without it the check fails here, never skips
 
 
 def main(argv: list[str]) -> None:
     cmd = argv[0] if argv else "help"
-    if cmd not in ("setup", "book", "test"):
+    if cmd not in ("setup", "book", "test", "site-check"):
         sys.exit(__doc__)
     if sys.version_info < (3, 10):
         sys.exit(f"dev.py: nanodist needs Python >= 3.10, this is {sys.version.split()[0]}")
     setup()
     try:
-        if cmd == "book":
+        if cmd == "book" and "--cached" in argv[1:]:
+            build_book(execute=False, strict=False)
+        elif cmd == "book":
+            say("building the book re-executes every chapter: about 10 minutes on 2 CPU cores "
+                "(`python3 dev.py book --cached` renders the committed outputs instead, in under a minute)")
+            t0 = time.monotonic()
             build_book(execute=True, strict=False)
+            say(f"executed and built in {time.monotonic() - t0:.0f} s")
+        elif cmd == "site-check":
+            site_check(require="--require" in argv[1:])
         elif cmd == "test":
             test(argv[1:])
     except subprocess.CalledProcessError as e:

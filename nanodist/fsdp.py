@@ -596,7 +596,8 @@ class FSDP(nn.Module):
             for j, v in mine:
                 for k, t in by_param[id(v)].items():
                     if k not in keys:  # scalars (AdamW's step): equal on every rank
-                        state[unit.names[j]][k] = t.detach().to(device or t.device, copy=True) if torch.is_tensor(t) else t
+                        copy = torch.is_tensor(t)
+                        state[unit.names[j]][k] = t.detach().to(device or t.device, copy=True) if copy else t
         groups = [{**g, "params": [names[id(p)] for p in og["params"]]}
                   for g, og in zip(sd["param_groups"], optimizer.param_groups)]
         return {"state": state, "param_groups": groups, "flats": flats}

@@ -313,7 +313,8 @@ def _damaged_copy(saved, tmp_path, fmt):
     d = tmp_path / fmt
     shutil.copytree(saved / fmt, d)
     newest = d / "step_00000006"
-    victim = max((f for f in newest.rglob("*") if f.is_file() and f.name != "meta.json"), key=lambda f: f.stat().st_size)
+    files = [f for f in newest.rglob("*") if f.is_file() and f.name != "meta.json"]
+    victim = max(files, key=lambda f: f.stat().st_size)
     return d, victim
 
 

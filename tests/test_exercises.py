@@ -38,3 +38,39 @@ def test_registered_answers_are_checked_without_showing_them(capsys):
         check(1, exercise="t.unknown", hint="")
     with pytest.raises(ValueError):
         expect("t.3")
+
+
+def test_every_chapter_has_exercises_that_hide_their_answers():
+    """At least 3 exercises a chapter. Each: a hidden cell (removed from the page) registers the expected value; the
+    reader's cell holds the blank and a check by key, never the value; the solution comes after, collapsed."""
+    import json
+    import re
+    from pathlib import Path
+    book = Path(__file__).resolve().parents[1] / "book"
+    chapters = sorted(book.glob("[0-9][0-9]_*.ipynb"))
+    assert len(chapters) >= 6
+    for nb in chapters:
+        cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+        src = ["".join(c["source"]) for c in cells]
+        tags = [c.get("metadata", {}).get("tags", []) for c in cells]
+        keys = re.findall(r"""expect\(["']([\d.]+)["']""", "\n".join(src))
+        assert len(keys) >= 3, f"{nb.name}: {len(keys)} exercises"
+        for s in src:
+            assert not ("check(" in s and "expected=" in s), f"{nb.name}: a check shows its expected value:\n{s}"
+        for key in keys:
+            where = lambda pred: [i for i, s in enumerate(src) if pred(s)]  # noqa: E731
+            hidden = where(lambda s: re.search(rf"""expect\(["']{re.escape(key)}["']""", s))
+            checks = where(lambda s: re.search(rf"""exercise=["']{re.escape(key)}["']""", s))
+            assert len(hidden) == 1 and "remove-cell" in tags[hidden[0]], f"{nb.name} {key}: hidden cell"
+            reader = [i for i in checks if "hide-input" not in tags[i]]
+            solution = [i for i in checks if "hide-input" in tags[i]]
+            assert len(reader) == 1 and len(solution) == 1, f"{nb.name} {key}: one reader cell and one solution"
+            assert hidden[0] < reader[0] < solution[0], f"{nb.name} {key}: order hidden, reader, solution"
+            r = src[reader[0]]
+            near = "".join(src[max(reader[0] - 2, 0):reader[0] + 1])  # the blank: this cell or a stub before it
+            assert re.search(r"answer = \.\.\.|return \.\.\.|\.\.\.  #", near), f"{nb.name} {key}: no blank"
+            hint = re.search(r"""hint=(['"])(.*?)\1\)""", r, re.S)
+            assert hint and hint.group(2).strip(), f"{nb.name} {key}: no hint"
+            given = re.search(r"^answer = (.+?)(?:  #.*)?$", src[solution[0]], re.M)
+            if given:  # the hint does not spell out the solution's expression
+                assert given.group(1).replace(" ", "") not in hint.group(2).replace(" ", ""), f"{nb.name} {key}"

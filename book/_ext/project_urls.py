@@ -1,7 +1,9 @@
 """A Sphinx extension for the book: the repository's address, read from `[project.urls]` in pyproject.toml.
 
 It fills in `@REPOSITORY_URL@` in the pages' sources (code blocks included) and sets the theme's repository and
-launch (Colab, Binder) buttons, so that the address is written in one place only.
+launch (Colab, Binder) buttons, so that the address is written in one place only. It also drops scripts that
+Jupyter Book 1.0.4 adds to every page twice (sphinx-thebe's and sphinx-togglebutton's inline set-up): declared
+twice, `const THEBE_JS_URL` is a JavaScript error on every page.
 """
 from pathlib import Path
 
@@ -32,7 +34,19 @@ def _source_read(app, docname, source) -> None:
     source[0] = source[0].replace(TOKEN, repository_url())
 
 
+def _drop_repeated_scripts(app, pagename, templatename, context, doctree) -> None:
+    seen, kept = set(), []
+    for script in context.get("script_files", []):
+        name = getattr(script, "filename", script) or ""  # an inline script's is None or "": the same thing
+        key = (str(name), tuple(sorted(getattr(script, "attributes", {}).items())))
+        if key not in seen:
+            seen.add(key)
+            kept.append(script)
+    context["script_files"] = kept
+
+
 def setup(app):
     app.connect("config-inited", _config_inited)
     app.connect("source-read", _source_read)
+    app.connect("html-page-context", _drop_repeated_scripts, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
