@@ -163,9 +163,12 @@ def demo(info) -> dict:
     # nanodist's ring all-reduce, recorded after every step: rank r starts from n copies of 10^r.
     ring = torch.full((n,), 10 ** rank, device=dev)
     start, trace = ring.tolist(), []
+    reference = ring.clone()
     collectives.ring_all_reduce(ring, trace=trace)
+    dist.all_reduce(reference)  # torch's, on the same input: the ring must give the same numbers
     out["ring"] = {"start": start, "trace": [{"phase": t["phase"], "step": t["step"], "send": t["send"],
-                                              "buffer": t["buffer"].tolist()} for t in trace]}
+                                              "buffer": t["buffer"].tolist()} for t in trace],
+                   "result": ring.tolist(), "torch": reference.tolist()}
     return out
 
 
@@ -200,7 +203,9 @@ def run_demo(info, rec: Recorder) -> None:
                                      **per_rank("async")},
                            "ring": {"call": "nanodist.collectives.ring_all_reduce(t, trace=trace)",
                                     "start": [r["ring"]["start"] for r in everyone],
-                                    "traces": [r["ring"]["trace"] for r in everyone]}}
+                                    "traces": [r["ring"]["trace"] for r in everyone],
+                                    "result": [r["ring"]["result"] for r in everyone],
+                                    "dist.all_reduce": [r["ring"]["torch"] for r in everyone]}}
     for name, d in by_name.items():
         print(d["call"])
         for r, (was, now) in enumerate(zip(d["before"], d["after"])):

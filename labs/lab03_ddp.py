@@ -143,7 +143,9 @@ def main():
     for name, r in results.items():
         how = f"  (gradients through {r['transport']})" if "transport" in r else ""
         nd.print0(f"{name:>11}: {r['world_size']} rank(s)  {r['tokens_per_s']:9.0f} tokens/s  "
-                  f"step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}{how}")
+                  f"{experiment.use_line(r)}  step {1e3 * r['median_step_s']:7.2f} ms  "
+                  f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}{how}")
+    nd.print0(f"MFU against {results[main_impl]['peak_source']}")
     for key, impl, label in (("ratio_nanodist_vs_torch", "nanodist", "nanodist/torch DDP throughput"),
                              ("ratio_nanodist_pg_vs_torch", "nanodist-pg",
                               "nanodist-pg/torch DDP throughput (both through the process group)"),

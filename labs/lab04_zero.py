@@ -163,7 +163,8 @@ def main():
     mib = lambda b: b / 2**20  # noqa: E731
     for name, r in results.items():
         worst = max(r["memory"], key=lambda m: m["total"])
-        nd.print0(f"{name:>10}: step {1e3 * r['median_step_s']:7.2f} ms  loss {r['losses'][0]:.3f} -> "
+        nd.print0(f"{name:>10}: step {1e3 * r['median_step_s']:7.2f} ms  {experiment.use_line(r)}  "
+                  f"loss {r['losses'][0]:.3f} -> "
                   f"{r['losses'][-1]:.3f}  per rank (max): params {mib(worst['params']):.2f} MiB  grads "
                   f"{mib(worst['grads']):.2f} MiB  optimizer state {mib(worst['optimizer_state']):.2f} MiB")
     metrics = {"opts": results, "main_opt": main_opt}

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import results, runtime
+from . import perf, results, runtime
 from .data import CharTokenizer, TokenStream, load_corpus, train_val_split
 from .ddp import DDP, NaiveDDP
 from .fsdp import FSDP
@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser, *, steps: int = 50, total_batch_he
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--total-batch", type=int, default=None, help=total_batch_help or
                    "tokens per optimizer step (default: micro-batch x seq-len x ranks, no accumulation)")
-    p.add_argument("--model", choices=list(PRESETS), default="small", help="a nanodist.model preset")
+    p.add_argument("--model", choices=["auto", *PRESETS], default="auto",
+                   help="a nanodist.model preset; auto: 'small' on a CPU, 'gpt2' (124 M parameters) on a GPU")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (DDP and ZeRO)")
@@ -124,7 +125,15 @@ def start(parser: argparse.ArgumentParser, args, *, min_steps: int = WARMUP_STEP
         parser.error(str(e))
     info = runtime.init(seed=args.seed)
     torch.set_num_threads(args.threads)
+    if args.model == "auto":
+        args.model = auto_model(info.device)
+        runtime.print0(f"--model auto: the {args.model!r} preset on {info.device.type}")
     return info
+
+
+def auto_model(device) -> str:
+    """--model auto: the smallest model that shows the point on a CPU; a GPU-scale one (GPT-2 small) on a GPU."""
+    return "gpt2" if torch.device(device).type == "cuda" else "small"
 
 
 def total_batch(args, world_size: int) -> int | None:
@@ -179,7 +188,11 @@ class Run:
 def build_model(args, vocab_size: int, device) -> GPT:
     """The lab's GPT from the seeded initial weights: identical for every run and on every rank."""
     torch.manual_seed(args.seed)
-    cfg = GPTConfig.preset(args.model, vocab_size=vocab_size, block_size=args.seq_len)
+    # A preset that names its vocabulary (gpt2: 50304, GPT-2's padded to a multiple of 64) keeps it: the
+    # character tokenizer uses the first rows, and the model has the size and the FLOPs of the real one.
+    name = auto_model(device) if args.model == "auto" else args.model
+    vocab_size = max(vocab_size, PRESETS[name].get("vocab_size", 0))
+    cfg = GPTConfig.preset(name, vocab_size=vocab_size, block_size=args.seq_len)
     if torch.device(device).type == "meta":  # shapes only, no memory (.to("meta") would untie the embedding)
         with torch.device("meta"):
             return GPT(cfg)
@@ -261,12 +274,29 @@ def summarize(run: Run) -> dict:
            "grad_norms": [h.get("grad_norm") for h in trainer.history],
            "val_loss": trainer.history[-1].get("val_loss") if trainer.history else None,
            "params": num_params(run)}
+    out.update(hardware_use(run, out["tokens_per_s"]))
     if isinstance(run.model, DDP) or hasattr(run.optimizer, "transport"):
         out["transport"] = transport(run)
     if isinstance(run.model, DDP) and run.model.record_timeline:
         out["timeline"] = run.model.timeline
         out["buckets"] = [b.numel for b in run.model.buckets]
     return out
+
+
+def hardware_use(run: Run, tokens_per_s: float) -> dict:
+    """The model's FLOPs per token, the TFLOP/s each rank reached, and MFU against the device's peak
+    (nanodist.perf: a GPU's datasheet rate, a CPU's measured matmul rate), with where the peak comes from."""
+    cfg, world = run.trainer.cfg, run.trainer.group.size
+    fpt = run.raw.flops_per_token(cfg.seq_len, num_params=num_params(run))
+    peak = perf.peak_flops(run.trainer.group.device, cfg.dtype)
+    return {"flops_per_token": fpt, "tflops_per_rank": tokens_per_s * fpt / world / 1e12,
+            "mfu": perf.mfu(tokens_per_s, fpt, world, peak.flops), "peak_flops": peak.flops, "peak_source": peak.source}
+
+
+def use_line(r: dict) -> str:
+    """'0.012 TFLOP/s/rank  MFU 21.3 %' for a summarize() result (or why there is no MFU)."""
+    mfu = f"MFU {100 * r['mfu']:.1f} %" if r.get("mfu") is not None else "MFU n/a"
+    return f"{r['tflops_per_rank']:.3f} TFLOP/s/rank  {mfu}"
 
 
 def num_params(run: Run) -> int:

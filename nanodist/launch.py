@@ -22,7 +22,6 @@ import os
 import queue
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -182,22 +181,8 @@ def _first_tb_index(output: str, rank: int) -> int:
 
 def _kill_tree(procs: list[psutil.Process], grace_s: float = 3.0) -> int:
     """SIGTERM every process still running, then SIGKILL those left after `grace_s`. Returns how many."""
-    alive = []
-    for p in procs:
-        try:
-            if p.is_running():
-                p.send_signal(signal.SIGTERM)
-                alive.append(p)
-        except psutil.Error:
-            pass
-    _, left = psutil.wait_procs(alive, timeout=grace_s)
-    for p in left:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=grace_s)
-    return len(alive)
+    from .reaper import terminate_then_kill  # imported here: `python -m nanodist.reaper` must not find it loaded
+    return terminate_then_kill(procs, grace_s)
 
 
 # ----------------------------------------------------------------------------- launch

@@ -30,6 +30,8 @@ PRESETS = {
     "tiny": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
     "small": dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
     "medium": dict(block_size=256, n_layer=8, n_head=8, n_embd=384),  # 14 M parameters: 57 MB in fp32
+    # GPT-2 small's shape (124 M parameters with its vocabulary padded to 50304): the GPU labs' model
+    "gpt2": dict(block_size=1024, n_layer=12, n_head=12, n_embd=768, vocab_size=50304),
 }
 
 
@@ -185,11 +187,16 @@ class GPT(nn.Module):
                 n -= self.wte.weight.numel()
         return n
 
-    def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs (forward + backward) per token: 6 per non-embedding weight plus attention's
-        12 * n_layer * n_embd * T (PaLM appendix B). Used for throughput and MFU in the scaling chapter."""
+    def flops_per_token(self, seq_len: int | None = None, num_params: int | None = None) -> int:
+        """Training FLOPs (forward + backward) per token: 6 per weight that takes part in a matmul plus
+        attention's 12 * n_layer * n_embd * T (PaLM appendix B), for nanodist.perf's MFU. num_params: the
+        model's distinct parameters when they live elsewhere (FSDP's units hold them)."""
         cfg, T = self.config, seq_len or self.config.block_size
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_layer * cfg.n_embd * T
+        if num_params is None:
+            n = self.num_params(exclude_embeddings=True)
+        else:
+            n = num_params - cfg.block_size * cfg.n_embd - (0 if cfg.tie_weights else cfg.vocab_size * cfg.n_embd)
+        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * T
 
     def configure_param_groups(self, weight_decay: float) -> list[dict]:
         """Two optimizer groups: weight decay on matrices (dim >= 2: linear weights, embeddings), none on

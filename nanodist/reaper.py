@@ -36,22 +36,30 @@ def available() -> bool:
     return sys.platform.startswith("linux")
 
 
-def kill_descendants(grace_s: float = GRACE_S) -> int:
-    """SIGTERM every descendant of this process, then SIGKILL those left after grace_s; returns how many."""
-    procs = psutil.Process().children(recursive=True)
+def terminate_then_kill(procs: list[psutil.Process], grace_s: float = GRACE_S) -> int:
+    """SIGTERM every process of `procs` still running, then SIGKILL those left after grace_s; returns how many
+    were running. (nanodist.launch uses it too, for the processes it saw.)"""
+    alive = []
     for p in procs:
         try:
-            p.terminate()
+            if p.is_running():
+                p.terminate()
+                alive.append(p)
         except psutil.Error:
             pass
-    _, left = psutil.wait_procs(procs, timeout=grace_s)
+    _, left = psutil.wait_procs(alive, timeout=grace_s)
     for p in left:
         try:
             p.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(left, timeout=grace_s)
-    return len(procs)
+    return len(alive)
+
+
+def kill_descendants(grace_s: float = GRACE_S) -> int:
+    """SIGTERM every descendant of this process, then SIGKILL those left after grace_s; returns how many."""
+    return terminate_then_kill(psutil.Process().children(recursive=True), grace_s)
 
 
 def main(argv: list[str]) -> int:

@@ -46,6 +46,11 @@ def test_all_implementations_in_one_run_train_identically(results_dir):
     assert len(run.results["steps"]) == 5 and run.results["steps"][0]["tokens_per_s"] > 0
     printed = "\n".join(run.lines(0))
     assert "ratio nanodist/torch DDP throughput:" in printed and "weak-scaling efficiency" in printed
+    # MFU on a CPU: against the matmul rate measured in the rank's own process
+    assert "MFU against this CPU's measured fp32 matmul rate (1 thread(s))" in printed
+    for r in m["impls"].values():
+        assert 0 < r["mfu"] < 1.5 and r["tflops_per_rank"] > 0
+        assert r["tflops_per_rank"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / r["world_size"] / 1e12)
 
 
 def test_speedup_against_an_earlier_one_rank_run(results_dir):

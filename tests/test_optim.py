@@ -408,7 +408,7 @@ def test_a_shard_saved_at_another_world_size_is_refused(runs, no_process_group):
         DistAdamW(adamw_groups(ps)).load_state_dict(saved)  # this process: a world of one
     msg = str(e.value)
     assert f"rank 1's shard of a run with {W} ranks, but this run has 1" in msg
-    assert "resharding arrives with the checkpointing chapter" in msg
+    assert "save and load through nanodist.checkpoint" in msg
 
 
 def test_training_a_gpt_matches_ddp_and_keeps_ranks_in_sync(runs):

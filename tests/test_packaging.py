@@ -46,6 +46,7 @@ def test_every_notebook_is_in_the_book():
 def test_the_repository_address_is_written_in_one_place():
     """pyproject's [project.urls] Repository is the address; the book reads it at build time (no page types it) and
     the README, which GitHub shows as is, agrees with it."""
+    import json
     import re
     import sys
     sys.path.insert(0, str(ROOT / "book" / "_ext"))
@@ -56,5 +57,15 @@ def test_the_repository_address_is_written_in_one_place():
     assert readme_urls == {url}, readme_urls
     pages = list((ROOT / "book").glob("*.md")) + list((ROOT / "book").glob("*.ipynb"))
     assert any(TOKEN in p.read_text() for p in pages)
+    sys.path.insert(0, str(ROOT / "book" / "tools"))
+    from chapter_cells import COLAB_TAG, colab_cell
     for p in pages:
-        assert url not in p.read_text(), f"{p.name} types the repository address: write {TOKEN} instead"
+        text = p.read_text()
+        if p.suffix == ".ipynb":  # Colab runs the notebook file itself: its set-up cell carries the stamped address
+            cells = json.loads(text)["cells"]
+            setup = [c for c in cells if COLAB_TAG in c.get("metadata", {}).get("tags", [])]
+            first_code = next(c for c in cells if c["cell_type"] == "code")
+            assert setup == [first_code], f"{p.name}: the Colab set-up cell must be the first code cell"
+            assert "".join(setup[0]["source"]) == colab_cell().source, f"{p.name}: run book/tools/stamp_colab.py"
+            text = json.dumps([c for c in cells if c is not setup[0]])
+        assert url not in text, f"{p.name} types the repository address: write {TOKEN} instead"

@@ -33,9 +33,46 @@ class Chapter:
 
     def write(self, name: str) -> Path:
         nb = nbf.v4.new_notebook(cells=self.cells)
+        stamp_colab(nb)
         nb.metadata.update({"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
                             "language_info": {"name": "python"}})
         out = Path(__file__).resolve().parents[1] / name
         nbf.write(nb, out)
         print(f"wrote {out}")
         return out
+
+
+COLAB_TAG = "colab-setup"
+
+
+def repository_url() -> str:
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_ext"))
+    from project_urls import repository_url as url
+    return url()
+
+
+def colab_cell():
+    """Every chapter's first code cell: on Colab, fetch nanodist and the one package Colab lacks (myst-nb, for
+    glue), keeping Colab's own torch; anywhere else it does nothing. The address is stamped from pyproject.toml
+    (book/tools/stamp_colab.py; tests/test_packaging.py checks it); the web page does not show the cell."""
+    c = nbf.v4.new_code_cell(f'''# On Colab: fetch nanodist and what Colab lacks (its own torch stays). Anywhere else this does nothing.
+import importlib.util
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules and importlib.util.find_spec("nanodist") is None:
+    subprocess.run(["git", "clone", "-q", "--depth", "1", "{repository_url()}", "/content/nanodist"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "/content/nanodist", "myst-nb"], check=True)
+    sys.path.insert(0, "/content/nanodist")
+    os.chdir("/content/nanodist/book")''')
+    c.metadata["tags"] = [COLAB_TAG, "remove-cell"]
+    return c
+
+
+def stamp_colab(nb) -> None:
+    """Put colab_cell() first among the notebook's code cells (replacing an older one)."""
+    nb.cells = [c for c in nb.cells if COLAB_TAG not in c.get("metadata", {}).get("tags", [])]
+    first_code = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    nb.cells.insert(first_code, colab_cell())

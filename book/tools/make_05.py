@@ -28,6 +28,8 @@ one process, at 1 to 4 ranks. By the end of the chapter you will be able to:
 - account for a rank's peak memory during a step: shards, gathered units, activations;
 - predict FSDP's communication volume (1.5 × DDP's) and check it against a run;
 - choose between DDP, ZeRO-1, ZeRO-2 and FSDP for a given model and memory budget.
+
+**The code:** [`nanodist/fsdp.py`](@REPOSITORY_URL@/blob/main/nanodist/fsdp.py) on [`nanodist/sync.py`](@REPOSITORY_URL@/blob/main/nanodist/sync.py); **the lab:** [`labs/lab05_fsdp.py`](@REPOSITORY_URL@/blob/main/labs/lab05_fsdp.py).
 """)
 
 code("""

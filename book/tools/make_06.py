@@ -25,6 +25,8 @@ That is harder than `torch.save(model.state_dict())`. By the end of the chapter 
 - choose how often to save from the measured save time and a failure rate (the Young/Daly interval).
 
 Everything here is `nanodist.checkpoint` and `labs/lab06_checkpoint.py`.
+
+**The code:** [`nanodist/checkpoint.py`](@REPOSITORY_URL@/blob/main/nanodist/checkpoint.py); **the lab:** [`labs/lab06_checkpoint.py`](@REPOSITORY_URL@/blob/main/labs/lab06_checkpoint.py).
 """)
 
 code("""
@@ -193,7 +195,9 @@ A few details decide whether such a state can be reused at all:
 code(r"""
 full = torch.load(step6 / "state.pt", weights_only=True)
 print(sorted(full), "step", full["step"], "| rng of", sorted(full["rng"]), "| wte", tuple(full["model"]["wte.weight"].shape))
-print(json.dumps({k: read_meta(step6)[k] for k in ("state_format", "format", "step", "world_size", "code")}, indent=1))
+meta = read_meta(step6)
+print(json.dumps({**{k: meta[k] for k in ("state_format", "format", "step", "world_size")},
+                  "written by": f"nanodist {meta['code']['nanodist']}, torch {meta['code']['torch']}"}, indent=1))
 """)
 
 md(r"""

@@ -4,8 +4,9 @@
 
 Uses the Chromium of the system packages (never a downloaded browser build), driven by Playwright. Checks each
 page for: JavaScript errors; an empty widget area; an image wider than the content column; a table wider than it
-that no scroll container holds; a raw glue box (a value glued for the prose but shown in a box); an internal
-link to a page or anchor that does not exist. Saves a full-page screenshot of each under _build/screenshots/.
+that no scroll container holds; a temporary path or an internal '(target >= ...)' string; a raw glue box (a value
+glued for the prose but shown in a box); an internal link to a page or anchor that does not exist. Saves a
+full-page screenshot of each under _build/screenshots/.
 Without Chromium it says how to install it and skips (exit 0), or fails with --require (CI).
 """
 from __future__ import annotations
@@ -44,6 +45,11 @@ PAGE_CHECKS = r"""
     const out = s.closest(".cell_output, .output") || s.parentElement;
     const shown = out && [...out.children].some(c => c !== s && c.getBoundingClientRect().height > 2);
     if (!shown) problems.push("a Jupyter widget with nothing rendered in its place (no widget manager, no fallback)");
+  }
+  const text = column.innerText;
+  for (const [pattern, what] of [[/\/tmp\/[\w.-]+/, "a temporary path"], [/\(target\s*[<>]=?/, "an internal target string"]]) {
+    const m = text.match(pattern);
+    if (m) problems.push(`${what} in the page: ${m[0]}`);
   }
   return problems;
 }

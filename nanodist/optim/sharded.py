@@ -52,7 +52,8 @@ from . import muon as _muon
 
 KINDS = {"adamw": _adamw, "muon": _muon}
 COLLECTIVES = ("auto", "ring", "torch", "shm")
-RESHARD_HINT = "resharding arrives with the checkpointing chapter"
+RESHARD_HINT = ("to resume at another world size, save and load through nanodist.checkpoint, which keeps the state by "
+                "parameter name at its global shape (Chapter 6)")
 
 
 @dataclass(frozen=True)
