@@ -492,9 +492,15 @@ class CheckpointManager:
 
     def find(self, spec: str | os.PathLike | None) -> Path | None:
         """The checkpoint `spec` names: "auto" (the newest good one, falling back past damaged ones with a
-        warning), a path, or "none"/None (start fresh). Decided on rank 0 and agreed by every rank."""
+        warning), a path, or "none"/None (start fresh). Decided on rank 0 and agreed by every rank. A run that
+        stopped itself (a non-finite loss) left its reason beside the checkpoints: finding one raises it."""
         if spec is None or str(spec) == "none":
             return None
+        # a restarted group must not walk into the same NaN again; rank 0 reads, every rank raises
+        reason = self._agree(self.stopped_reason() if self.group.is_main else None)
+        if reason is not None:
+            raise CheckpointError(f"this run stopped itself earlier and was not restarted: {reason} (remove "
+                                  f"{self.directory / STOPPED} to resume anyway, or start fresh with --resume none)")
         choice, problem = None, None
         if self.group.is_main:
             if str(spec) == "auto":
@@ -638,10 +644,6 @@ class CheckpointManager:
     def resume(self, trainer, spec: str | os.PathLike | None = "auto") -> Path | None:
         """Load the checkpoint `spec` names (see find) into the trainer; None, with a message, if there is none.
         A run that stopped itself (a non-finite loss) left its reason: resuming it stops at once, with it."""
-        reason = self.stopped_reason()
-        if reason is not None:
-            raise CheckpointError(f"this run stopped itself earlier and was not restarted: {reason} (remove "
-                                  f"{self.directory / STOPPED} to resume anyway)")
         path = self.find(spec)
         if path is None:
             if spec not in (None, "none"):

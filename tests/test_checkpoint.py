@@ -454,3 +454,12 @@ def test_a_run_that_stopped_itself_stops_again_when_restarted(tmp_path):
     mgr.mark_stopped("step 3: the loss is nan on rank 1")
     with pytest.raises(CheckpointError, match="stopped itself earlier.*loss is nan on rank 1.*STOPPED"):
         mgr.resume(make_run().trainer, "auto")
+
+
+def test_the_lab_restarted_after_a_nan_stop_stops_at_once(tmp_path):
+    ck = tmp_path / "ck"
+    CheckpointManager(ck).mark_stopped("step 3: the loss is nan on rank 1")
+    with pytest.raises(nd.LaunchError) as e:
+        nd.launch("lab06_checkpoint", nproc=1, args=TINY + ["--checkpoint-dir", str(ck)], timeout=LAUNCH_S,
+                  echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path / "r")})
+    assert "stopped itself earlier" in str(e.value) and "the loss is nan on rank 1" in str(e.value)
