@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import io
 import json
 import os
@@ -80,8 +81,10 @@ class SaveReport:
 
 # ----------------------------------------------------------------------------- the training state
 
+@functools.lru_cache(maxsize=1)
 def code_version() -> dict:
-    """nanodist's version and, in a git checkout, the commit: what wrote a checkpoint."""
+    """nanodist's version and, in a git checkout, the commit: what wrote a checkpoint (asked git once per process:
+    the code a process runs does not change under it)."""
     commit = None
     if (REPO_ROOT / ".git").exists():
         try:
@@ -334,13 +337,13 @@ def read_dcp_metadata(path: Path):
         return _MetadataUnpickler(f).load()
 
 
-def _safe_reader(path: Path):
+def _safe_reader(path: Path, metadata):
+    """A FileSystemReader that hands DCP the metadata already read through the restricted unpickler."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            metadata = read_dcp_metadata(self.path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -709,12 +712,12 @@ def load(path, trainer, group=None) -> dict:
     what differs when it does not fit this model and optimizer -- on every rank, when any rank fails."""
     path = Path(path)
     group = Group.resolve(group)
-    meta, state, error = None, None, None
+    meta, dcp_meta, state, error = None, None, None, None
     try:
         meta = read_meta(path)
         _check_compatible(meta, trainer, group)
         if meta["format"] == "sharded":
-            read_dcp_metadata(path)  # refuses a crafted .metadata here, with its own message, on every rank
+            dcp_meta = read_dcp_metadata(path)  # refuses a crafted .metadata here, with its own message
         _ensure_optimizer_state(trainer)
     except Exception as e:  # noqa: BLE001 -- every rank must hear of it
         error = e
@@ -736,13 +739,10 @@ def load(path, trainer, group=None) -> dict:
         template["rng"] = {k: v for k, v in template["rng"].items() if k in saved_ranks}
         try:
             with _one_process_is_fine():
-                dcp.load(template, storage_reader=_safe_reader(path), planner=_safe_planner(),
+                dcp.load(template, storage_reader=_safe_reader(path, dcp_meta), planner=_safe_planner(),
                          process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
-        except CheckpointError:
-            raise
         except Exception as e:  # DCP gathers every rank's failure and raises it on all of them
-            refused = _find_refusal(e)
-            raise (refused or CheckpointError(f"cannot load the sharded checkpoint {path}: {str(e)[:600]}")) from e
+            raise CheckpointError(f"cannot load the sharded checkpoint {path}: {str(e)[:600]}") from e
         state = template
     try:
         load_optimizer_state(trainer, state.pop("optimizer"))
@@ -752,23 +752,6 @@ def load(path, trainer, group=None) -> dict:
         error = e
     _agree_ok(group, error, f"loading {path}")
     return meta
-
-
-def _find_refusal(e: BaseException) -> CheckpointError | None:
-    """The CheckpointError (a refused .metadata) inside DCP's wrapped exception, if there is one."""
-    seen = set()
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if id(x) in seen or x is None:
-            continue
-        seen.add(id(x))
-        if isinstance(x, CheckpointError):
-            return x
-        stack += [x.__cause__, x.__context__]
-        for v in getattr(x, "failures", {}).values():  # torch's CheckpointException: rank -> (exception, traceback)
-            stack.append(v[0] if isinstance(v, tuple) else v)
-    return None
 
 
 def read_meta(path) -> dict:

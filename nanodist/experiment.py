@@ -274,7 +274,7 @@ def summarize(run: Run) -> dict:
            "grad_norms": [h.get("grad_norm") for h in trainer.history],
            "val_loss": trainer.history[-1].get("val_loss") if trainer.history else None,
            "params": num_params(run)}
-    out.update(hardware_use(run, out["tokens_per_s"]))
+    out.update(hardware_use(run, out["tokens_per_s"], out["params"]))
     if isinstance(run.model, DDP) or hasattr(run.optimizer, "transport"):
         out["transport"] = transport(run)
     if isinstance(run.model, DDP) and run.model.record_timeline:
@@ -283,11 +283,11 @@ def summarize(run: Run) -> dict:
     return out
 
 
-def hardware_use(run: Run, tokens_per_s: float) -> dict:
+def hardware_use(run: Run, tokens_per_s: float, params: int) -> dict:
     """The model's FLOPs per token, the TFLOP/s each rank reached, and MFU against the device's peak
     (nanodist.perf: a GPU's datasheet rate, a CPU's measured matmul rate), with where the peak comes from."""
     cfg, world = run.trainer.cfg, run.trainer.group.size
-    fpt = run.raw.flops_per_token(cfg.seq_len, num_params=num_params(run))
+    fpt = run.raw.flops_per_token(cfg.seq_len, num_params=params)
     peak = perf.peak_flops(run.trainer.group.device, cfg.dtype)
     return {"flops_per_token": fpt, "tflops_per_rank": tokens_per_s * fpt / world / 1e12,
             "mfu": perf.mfu(tokens_per_s, fpt, world, peak.flops), "peak_flops": peak.flops, "peak_source": peak.source}
