@@ -1,6 +1,6 @@
 """Lab 2: how fast are the collectives? torch's own against the from-scratch ones, over message sizes.
 
-    torchrun --nproc_per_node=2 labs/lab02_allreduce.py                          # 4 KB .. 64 MB
+    torchrun --nproc_per_node=2 labs/lab02_allreduce.py                          # 4 KiB .. 64 MiB
     torchrun --nproc_per_node=2 labs/lab02_allreduce.py --max-bytes 1M --repeats 3
     torchrun --nproc_per_node=4 labs/lab02_allreduce.py --demo                   # what each collective does
     run = nanodist.launch("lab02_allreduce", nproc=2); run.results["metrics"]    # from a notebook
@@ -60,7 +60,7 @@ RATIO_SIZE = 32 * 2**20  # the size the two benchmark ratios are read at (or the
 
 
 def parse_bytes(text: str) -> int:
-    """'4096', '4K', '64M', '1G', '32MB' -> bytes (powers of 1024)."""
+    """'4096', '4K', '64M', '1G', '32MB' -> bytes (powers of 1024: K = KiB, M = MiB)."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)I?B?\s*", text.upper())
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 4096, 4K, 64M or 1G")
@@ -104,7 +104,7 @@ def sizes(lo: int, hi: int) -> list[int]:
 # ----------------------------------------------------------------------------- --demo
 
 BARRIER_WORK_S = 0.05  # in the barrier demo, rank r "works" r * this long before it arrives
-ASYNC_NUMEL = 2**22    # 16 MB of float32: an all-reduce long enough to catch it half done
+ASYNC_NUMEL = 2**22    # 16 MiB of float32: an all-reduce long enough to catch it half done
 
 
 def demo(info) -> dict:

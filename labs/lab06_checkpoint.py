@@ -146,16 +146,16 @@ def bench(args, group, data) -> None:
         out[k] = {key: statistics.median(v) if isinstance(v, list) else v for key, v in out[k].items()}
     if group.is_main:
         shutil.rmtree(root, ignore_errors=True)
-    state_mb = out["full"]["bytes"] / 1e6 if group.is_main else 0
+    state_mib = out["full"]["bytes"] / 2**20 if group.is_main else 0
     metrics = {"kinds": out, "params": experiment.num_params(run),
                "ratio_sharded_vs_full_save": out["sharded"]["total_s"] / out["full"]["total_s"],
                "ratio_async_blocked_vs_sync_sharded": out["sharded-async"]["blocked_s"] / out["sharded"]["total_s"],
                "ratio_async_blocked_vs_sync_full": out["full-async"]["blocked_s"] / out["full"]["total_s"]}
     rec.metrics.update(metrics)
-    nd.print0(f"== {args.model} model ({metrics['params'] / 1e6:.1f} M parameters, a checkpoint of {state_mb:.0f} MB),"
+    nd.print0(f"== {args.model} model ({metrics['params'] / 1e6:.1f} M parameters, a checkpoint of {state_mib:.0f} MiB),"
               f" {group.size} rank(s), median of {args.repeats} saves each, fsync included")
     for k, o in out.items():
-        size = f"{o['bytes'] / 1e6:6.1f} MB on disk" if group.is_main else ""
+        size = f"{o['bytes'] / 2**20:6.1f} MiB on disk" if group.is_main else ""
         nd.print0(f"{k:>14}: training blocked {1e3 * o['blocked_s']:8.1f} ms, saved in {1e3 * o['total_s']:8.1f} ms, "
                   f"loaded in {1e3 * o['load_s']:8.1f} ms, {size}")
     nd.print0(f"ratio sharded / full save time: {metrics['ratio_sharded_vs_full_save']:.2f}")

@@ -87,7 +87,7 @@ def _local(t: torch.Tensor) -> torch.Tensor | None:
     return t.detach()
 
 
-_CHUNK = 1 << 22  # elements per step of the checksum: bounds its int64 temporaries to 32 MB each
+_CHUNK = 1 << 22  # elements per step of the checksum: bounds its int64 temporaries to 32 MiB each
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ measures what this costs (metrics["check_cost"]: noticeable for kilobyte message
 megabytes); check=False, or NANODIST_CHECK_COLLECTIVES=0 on every rank, turns it off where the
 shapes hold by construction (ZeRO's buckets do).
 
-Receive buffers are kept between calls (allocating 16 MB per call costs page faults, i.e. bandwidth);
+Receive buffers are kept between calls (allocating 16 MiB per call costs page faults, i.e. bandwidth);
 free_buffers() releases them.
 """
 from __future__ import annotations

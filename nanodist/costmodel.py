@@ -134,7 +134,7 @@ def fit(sizes_bytes, times_s, algorithm: str, world_size, backend: str = "unknow
     """Fit alpha and beta to measured (size, time) pairs of `algorithm` by least squares.
 
     world_size is one int or one per measurement (fit across world sizes). The fit minimises the
-    *relative* error, so 4 KB messages (microseconds, where alpha shows) count as much as 64 MB ones
+    *relative* error, so 4 KiB messages (microseconds, where alpha shows) count as much as 64 MiB ones
     (where beta shows); alpha and beta are kept >= 0. Needs >= 2 measurements at >= 2 sizes.
     """
     name = _canonical(algorithm)

@@ -271,10 +271,10 @@ def bytes_per_param(precision: str = "mixed", optimizer: str = "adamw") -> dict:
 
 
 def memory_estimate_table(num_params: float, world_sizes=(1, 8, 64), stages=STAGES, precision: str = "mixed",
-                          optimizer: str = "adamw", unit: float = 1e9) -> Table:
+                          optimizer: str = "adamw", unit: float = 2**30) -> Table:
     """Per-rank memory of the model states from `zero_memory_bytes`, one row per (world size, stage).
 
-    Values in `unit` bytes (GB by default, as the ZeRO paper), rounded to 2 decimals; `vs_ddp` is the total
+    Values in `unit` bytes (GiB by default; unit=1e9 gives the ZeRO paper's GB), rounded to 2 decimals; `vs_ddp` is the total
     divided by stage 0's at the same world size.
     """
     per = bytes_per_param(precision, optimizer)
@@ -291,7 +291,7 @@ def memory_estimate_table(num_params: float, world_sizes=(1, 8, 64), stages=STAG
 def memory_calculator(num_params: float = 7e9, world_size: int = 8, stage: int = 2, precision: str = "mixed",
                       optimizer: str = "adamw"):
     """An ipywidgets calculator of per-rank memory: sliders for parameters, world size, ZeRO stage, precision
-    and optimizer, and the table of `memory_estimate_table` (GB per rank) for the choice and for DDP.
+    and optimizer, and the table of `memory_estimate_table` (GiB per rank) for the choice and for DDP.
 
     Display the returned widget in JupyterLab or Jupyter Notebook; it needs a live kernel to react. Its text
     form (a terminal, nbval) is a one-line summary of the initial choice.
@@ -317,14 +317,14 @@ def memory_calculator(num_params: float = 7e9, world_size: int = 8, stage: int =
         total = zero_memory_bytes(c["params"], c["world"], c["stage"],
                                   **bytes_per_param(c["precision"], c["optimizer"]))["total"]
         return (f"{c['params']:.3g} params, {c['world']} ranks, stage {c['stage']}, {c['precision']} "
-                f"{c['optimizer']}: {total / 1e9:.2f} GB per rank")
+                f"{c['optimizer']}: {total / 2**30:.2f} GiB per rank")
 
     def update(_=None) -> None:
         c = {k: v.value for k, v in controls.items()}
         table = memory_estimate_table(c["params"], [c["world"]], sorted({0, c["stage"]}), c["precision"],
                                       c["optimizer"])
         result.value = (f"<p>{summary()} (parameters, gradients and optimizer state)</p>" + table._repr_html_()
-                        + "<p>GB = 10<sup>9</sup> bytes; activations come on top.</p>")
+                        + "<p>GiB = 2<sup>30</sup> bytes; activations come on top.</p>")
 
     for control in controls.values():
         control.observe(update, names="value")

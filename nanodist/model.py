@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 PRESETS = {
     "tiny": dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
     "small": dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
-    "medium": dict(block_size=256, n_layer=8, n_head=8, n_embd=384),  # 14 M parameters: 57 MB in fp32
+    "medium": dict(block_size=256, n_layer=8, n_head=8, n_embd=384),  # 14 M parameters: 54 MiB in fp32
     # GPT-2 small's shape (124 M parameters with its vocabulary padded to 50304): the GPU labs' model
     "gpt2": dict(block_size=1024, n_layer=12, n_head=12, n_embd=768, vocab_size=50304),
 }

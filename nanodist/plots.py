@@ -1,10 +1,85 @@
-"""The course's figures, drawn from what the labs measured. Each function returns the matplotlib Axes."""
+"""The course's figures, drawn from what the labs measured. Each function returns the matplotlib Axes.
+
+Every figure the book shows goes through `show()`, which first checks that the figure reads well in the built
+page (`check_figure`): it fits the text column at full size, no text is smaller than MIN_FONT_PT, no plot has more
+than MAX_SERIES named series, and no legend sits over the data. A figure that breaks a rule raises FigureError
+naming the text, the plot or the width -- so a notebook that would draw an unreadable figure fails its test.
+"""
 from __future__ import annotations
 
+import matplotlib
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
 PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+
+# The book's text column is 688 CSS px wide (sphinx-book-theme, 1280 px window); figures are drawn at 100 dpi, so
+# a figure up to COLUMN_IN inches wide shows at full size, where a 9 pt font renders at 9.4 pt.
+DPI = 100
+COLUMN_IN = 6.8
+MIN_FONT_PT = 9.0
+MAX_SERIES = 4
+STYLE = {"figure.dpi": DPI, "savefig.dpi": DPI, "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10,
+         "xtick.labelsize": 9, "ytick.labelsize": 9, "legend.fontsize": 9, "legend.title_fontsize": 9,
+         "figure.titlesize": 10}
+plt.rcParams.update(STYLE)
+
+
+class FigureError(ValueError):
+    """A figure would not read well in the book; the message says what to change."""
+
+
+def figure_problems(fig) -> list[str]:
+    """What makes `fig` hard to read in the book's column (empty if nothing): too wide, text too small, too many
+    series in one plot, a legend over the data."""
+    from matplotlib.text import Text
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    problems = []
+    width = fig.get_tightbbox(renderer).width  # inches, as the inline backend crops it (bbox_inches="tight")
+    if width > COLUMN_IN + 0.05:
+        problems.append(f"the figure is {width:.1f} in wide and the book's column {COLUMN_IN} in: it would be "
+                        f"shrunk to {100 * COLUMN_IN / width:.0f}%; make it narrower or stack its panels")
+    for t in fig.findobj(Text):
+        if t.get_visible() and t.get_text().strip() and t.get_fontsize() < MIN_FONT_PT - 1e-6:
+            problems.append(f"text {t.get_text()!r:.50} is {t.get_fontsize():g} pt, under {MIN_FONT_PT:g} pt")
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        legend = ax.get_legend()
+        named = len(legend.get_texts()) if legend else len(ax.get_legend_handles_labels()[1])
+        if named > MAX_SERIES:
+            problems.append(f"the plot {ax.get_title() or '(untitled)'!r} has {named} named series, more than "
+                            f"{MAX_SERIES}: split it")
+        if legend is not None and legend.get_visible() and ax.axison:
+            box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+            if box.overlaps(area):
+                problems.append(f"the legend of {ax.get_title() or '(untitled)'!r} lies inside the plot: put it "
+                                f"outside the data (beside or below the axes)")
+    return problems
+
+
+def check_figure(fig=None) -> None:
+    """Raise FigureError if `fig` (default: the current figure) would not read well in the book."""
+    problems = figure_problems(fig or plt.gcf())
+    if problems:
+        raise FigureError("this figure would not read well in the book:\n  " + "\n  ".join(problems))
+
+
+def show(fig=None) -> None:
+    """check_figure(), then plt.show(): how every figure of the book is shown."""
+    check_figure(fig)
+    plt.show()
+
+
+def legend_below(ax, ncol: int = 2, **kw):
+    """A legend under the plot, outside the data (under the x label)."""
+    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=ncol, frameon=False, **kw)
+
+
+def legend_right(ax, **kw):
+    """A legend beside the plot, outside the data."""
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, **kw)
 
 
 def rank_layout(reports: list[dict], ax=None, title: str | None = None):
@@ -12,7 +87,7 @@ def rank_layout(reports: list[dict], ax=None, title: str | None = None):
     nodes = sorted({r["node_rank"] for r in reports})
     per_node = max(sum(1 for r in reports if r["node_rank"] == n) for n in nodes)
     if ax is None:
-        _, ax = plt.subplots(figsize=(2.2 + 1.7 * per_node, 1.0 + 1.5 * len(nodes)))
+        _, ax = plt.subplots(figsize=(min(COLUMN_IN, 1.6 + 1.5 * per_node), 1.0 + 1.3 * len(nodes)))
     for row, node in enumerate(reversed(nodes)):
         y = row * 1.5
         ax.add_patch(FancyBboxPatch((0, y), 0.3 + 1.6 * per_node, 1.2, boxstyle="round,pad=0.05",
@@ -26,7 +101,7 @@ def rank_layout(reports: list[dict], ax=None, title: str | None = None):
             ax.text(x + 0.7, y + 0.6, f"rank {r['rank']}", ha="center", va="center", color="white",
                     fontweight="bold")
             ax.text(x + 0.7, y + 0.3, f"local rank {r['local_rank']}", ha="center", va="center",
-                    color="white", fontsize=8)
+                    color="white", fontsize=9)
     ax.set_xlim(-0.2, 0.5 + 1.6 * per_node)
     ax.set_ylim(-0.2, 1.5 * len(nodes))
     ax.set_aspect("equal")
@@ -39,11 +114,11 @@ def rank_layout(reports: list[dict], ax=None, title: str | None = None):
 def bars(labels: list[str], values: list[float], ylabel: str, title: str = "", ax=None, fmt: str = "{:.3g}"):
     """A labelled bar chart (one bar per measured configuration)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(1.5 + 1.2 * len(labels), 3.2))
+        _, ax = plt.subplots(figsize=(min(COLUMN_IN - 0.4, 1.5 + 1.2 * len(labels)), 3.2))
     bars_ = ax.bar(labels, values, color=PALETTE[: len(labels)])
     for b, v in zip(bars_, values):
         ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
-                    fontsize=8, xytext=(0, 2), textcoords="offset points")
+                    fontsize=9, xytext=(0, 2), textcoords="offset points")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.spines[["top", "right"]].set_visible(False)
@@ -57,11 +132,11 @@ def ddp_timeline(timeline: list[dict], step: int = -1, ax=None):
     steps = [timeline[i:i + n_buckets] for i in range(0, len(timeline), n_buckets)]
     rows = steps[step]
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 1.2 + 0.45 * (n_buckets + 1)))
+        _, ax = plt.subplots(figsize=(6.0, 1.3 + 0.45 * (n_buckets + 1)))
     ms = 1e3
     end, synced = rows[0]["autograd_end_s"] * ms, rows[0]["synced_s"] * ms
     ax.barh(n_buckets, end, left=0, color="#BBBBBB", height=0.6)
-    ax.text(end / 2, n_buckets, "backward (gradients being computed)", ha="center", va="center", fontsize=8)
+    ax.text(end / 2, n_buckets, "backward (gradients being computed)", ha="center", va="center", fontsize=9)
     for t in rows:
         b = t["bucket"]
         ax.barh(n_buckets - 1 - b, (t["done_s"] - t["launch_s"]) * ms, left=t["launch_s"] * ms,
@@ -70,7 +145,7 @@ def ddp_timeline(timeline: list[dict], step: int = -1, ax=None):
                   [f"bucket {n_buckets - 1 - i}" for i in range(n_buckets)] + ["compute"])
     ax.axvline(end, color="#555555", lw=1, ls="--")
     ax.axvline(synced, color="#C44E52", lw=1, ls=":")
-    ax.text(synced, -0.9, " all averaged", color="#C44E52", fontsize=8, va="center")
+    ax.text(synced, -0.9, " all averaged", color="#C44E52", fontsize=9, va="center")
     ax.set_ylim(-1.3, n_buckets + 0.6)
     ax.set_xlabel("ms since the first gradient was ready")
     ax.set_title("all-reduce of each gradient bucket, overlapping the backward pass")
@@ -78,33 +153,37 @@ def ddp_timeline(timeline: list[dict], step: int = -1, ax=None):
     return ax
 
 
-def scaling(measured: dict, predicted: dict | None = None, max_ranks: int = 8, axes=None):
-    """Speedup and efficiency against the number of ranks.
+def scaling(panels: dict[str, dict], max_ranks: int = 8):
+    """Speedup (left) and efficiency (right) against the number of ranks, one row per panel.
 
-    measured: {label: [(ranks, speedup), ...]} points from lab runs; predicted: {label: callable(ranks) ->
-    speedup} curves (e.g. a cost-model prediction). The ideal (speedup = ranks) is drawn for reference.
+    panels: {title: {"measured": {label: [(ranks, speedup), ...]}, "predicted": {label: callable(ranks) ->
+    speedup}}}, e.g. one panel for weak and one for strong scaling, so that no plot carries more than a few
+    series. Measured points are lines with markers, predictions dashed, the ideal (speedup = ranks) dotted.
+    Returns the Axes, shape (rows, 2).
     """
     import numpy as np
-    if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax_s, ax_e = axes
+    rows = len(panels)
+    fig, axes = plt.subplots(rows, 2, figsize=(6.6, 3.3 * rows), squeeze=False,
+                             gridspec_kw={"hspace": 1.05, "wspace": 0.35})
     n = np.arange(1, max_ranks + 1)
-    ax_s.plot(n, n, color="#999999", ls=":", label="ideal")
-    ax_e.plot(n, np.ones_like(n, dtype=float), color="#999999", ls=":", label="ideal")
-    for i, (label, fn) in enumerate((predicted or {}).items()):
-        s = np.array([fn(k) for k in n])
-        ax_s.plot(n, s, color=PALETTE[i % len(PALETTE)], lw=1.2, ls="--", label=label)
-        ax_e.plot(n, s / n, color=PALETTE[i % len(PALETTE)], lw=1.2, ls="--", label=label)
-    for i, (label, pts) in enumerate(measured.items()):
-        ks, ss = zip(*sorted(pts))
-        color = PALETTE[(i + len(predicted or {})) % len(PALETTE)]
-        ax_s.plot(ks, ss, "o-", color=color, label=label)
-        ax_e.plot(ks, [s / k for s, k in zip(ss, ks)], "o-", color=color, label=label)
-    ax_s.set(xlabel="ranks", ylabel="speedup", title="speedup")
-    ax_e.set(xlabel="ranks", ylabel="efficiency = speedup / ranks", title="efficiency", ylim=(0, 1.1))
-    for ax in axes:
-        ax.spines[["top", "right"]].set_visible(False)
-    ax_e.legend(fontsize=8, loc="lower left")
+    for (title, panel), (ax_s, ax_e) in zip(panels.items(), axes):
+        ax_s.plot(n, n, color="#999999", ls=":", label="ideal")
+        ax_e.plot(n, np.ones_like(n, dtype=float), color="#999999", ls=":")
+        predicted, measured = panel.get("predicted") or {}, panel.get("measured") or {}
+        for i, (label, fn) in enumerate(predicted.items()):
+            sp = np.array([fn(k) for k in n])
+            ax_s.plot(n, sp, color=PALETTE[i % len(PALETTE)], lw=1.2, ls="--", label=label)
+            ax_e.plot(n, sp / n, color=PALETTE[i % len(PALETTE)], lw=1.2, ls="--")
+        for i, (label, pts) in enumerate(measured.items()):
+            ks, ss = zip(*sorted(pts))
+            color = PALETTE[(i + len(predicted)) % len(PALETTE)]
+            ax_s.plot(ks, ss, "o-", color=color, label=label)
+            ax_e.plot(ks, [sp / k for sp, k in zip(ss, ks)], "o-", color=color)
+        ax_s.set(xlabel="ranks", ylabel="speedup", title=f"{title}: speedup")
+        ax_e.set(xlabel="ranks", ylabel="speedup / ranks", title="efficiency", ylim=(0, 1.1))
+        for ax in (ax_s, ax_e):
+            ax.spines[["top", "right"]].set_visible(False)
+        ax_s.legend(loc="upper left", bbox_to_anchor=(0.0, -0.25), ncol=2, frameon=False)
     return axes
 
 
@@ -158,13 +237,15 @@ def collective_buffers(entry: dict, ax=None, title: str | None = None):
     return ax
 
 
-def collectives_panels(collectives: dict, names: list[str], ncols: int = 2):
-    """collective_buffers() for several collectives side by side; returns the Axes."""
-    nrows = -(-len(names) // ncols)
+def collectives_panels(collectives: dict, names: list[str], ncols: int | None = None):
+    """collective_buffers() for several collectives, as many side by side as the book's column holds; returns the
+    Axes."""
     n = len(collectives[names[0]]["before"])
     width = max(max(map(len, collectives[k]["before"])) + max(map(len, collectives[k]["after"])) for k in names)
-    _, axes = plt.subplots(nrows, ncols, figsize=(ncols * 0.42 * (width + 4), nrows * 0.42 * (n + 2.2)),
-                           squeeze=False)
+    panel_in = 0.42 * (width + 4)
+    ncols = ncols or max(1, min(len(names), int(COLUMN_IN // panel_in)))
+    nrows = -(-len(names) // ncols)
+    _, axes = plt.subplots(nrows, ncols, figsize=(ncols * panel_in, nrows * 0.42 * (n + 2.2)), squeeze=False)
     for ax, name in zip(axes.flat, names):
         collective_buffers(collectives[name], ax=ax)
     for ax in list(axes.flat)[len(names):]:
@@ -178,47 +259,46 @@ def barrier_timeline(entry: dict, ax=None):
     start = entry.get("start_ms") or [0.0] * len(arrive)
     n = len(arrive)
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.6 + 0.45 * n))
+        _, ax = plt.subplots(figsize=(6.4, 0.7 + 0.45 * n))
     for r in range(n):
         y = n - 1 - r
         ax.barh(y, arrive[r] - start[r], left=start[r], color=PALETTE[r % len(PALETTE)], height=0.6)
         if arrive[r] - start[r] > 0.15 * max(leave):
-            ax.text((start[r] + arrive[r]) / 2, y, "working", ha="center", va="center", color="white", fontsize=8)
+            ax.text((start[r] + arrive[r]) / 2, y, "working", ha="center", va="center", color="white", fontsize=9)
         ax.barh(y, leave[r] - arrive[r], left=arrive[r], color="#EEEEEE", edgecolor="#999999", hatch="...",
                 height=0.6, label="waiting in dist.barrier()" if r == 0 else None)
     ax.axvline(max(arrive), color="#555555", lw=1, ls="--")
-    ax.text(max(arrive), n - 0.45, "the last rank arrives ", ha="right", fontsize=8, va="bottom", color="#555555")
+    ax.text(max(arrive), n - 0.45, "the last rank arrives ", ha="right", fontsize=9, va="bottom", color="#555555")
     ax.set_yticks(range(n), [f"rank {n - 1 - i}" for i in range(n)])
     ax.set_ylim(-0.5, n + 0.2)
     ax.set_xlabel("ms since the first rank left the previous barrier")
     ax.set_title(entry.get("call", "dist.barrier()"), fontsize=10, family="monospace")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.3 - 0.6 / n), frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
 
 
-def async_reads(entry: dict, ax=None):
-    """lab02 --demo's async all-reduce read before wait(): at each read, the share of the tensor still holding
-    the rank's original value (dashed) and already holding the final sum (solid); the rest are partial sums."""
-    from matplotlib.lines import Line2D
+def async_reads(entry: dict, axes=None):
+    """lab02 --demo's async all-reduce read before wait(): at each read, the share of each rank's tensor already
+    holding the final sum (top) and still holding the rank's original value (bottom); the rest are partial sums."""
     from matplotlib.ticker import MaxNLocator
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.2))
-    handles = []
+    if axes is None:
+        _, axes = plt.subplots(2, 1, figsize=(6.4, 4.8), sharex=True, gridspec_kw={"hspace": 0.35})
+    top, bottom = axes
     for r, reads in enumerate(entry["reads"]):
         x = range(1, len(reads) + 1)
         color = PALETTE[r % len(PALETTE)]
-        ax.plot(x, [100 * f for _, f in reads], "o-", color=color, ms=5)
-        ax.plot(x, [100 * o for o, _ in reads], "s--", color=color, ms=4, lw=1, alpha=0.7)
-        handles.append(Line2D([], [], color=color, marker="o", label=f"rank {r}"))
-    handles += [Line2D([], [], color="#555555", marker="o", label="holds the final sum"),
-                Line2D([], [], color="#555555", marker="s", ls="--", lw=1, label="still the original value")]
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(xlabel="read number (read 1: right after the call returned)", ylabel="% of the tensor", ylim=(-5, 105))
-    ax.set_title(f"reads before wait(): {entry.get('call', 'an async all-reduce')}", fontsize=10)
-    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.spines[["top", "right"]].set_visible(False)
-    return ax
+        top.plot(x, [100 * f for _, f in reads], "o-", color=color, ms=5, label=f"rank {r}")
+        bottom.plot(x, [100 * o for o, _ in reads], "s-", color=color, ms=4)
+    top.set_title(f"reads before wait(): {entry.get('call', 'an async all-reduce')}", fontsize=10)
+    top.set(ylabel="% final sum", ylim=(-5, 105))
+    bottom.set(ylabel="% original value", ylim=(-5, 105),
+               xlabel="read number (read 1: right after the call returned)")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes:
+        ax.spines[["top", "right"]].set_visible(False)
+    top.legend(loc="upper center", bbox_to_anchor=(0.5, -1.62), ncol=4, frameon=False)
+    return axes
 
 
 def ring_steps(frames: list[dict], ax=None, fmt: str = "{:g}"):
@@ -226,19 +306,24 @@ def ring_steps(frames: list[dict], ax=None, fmt: str = "{:g}"):
 
     One row per frame, one group of cells per rank (a cell per element, chunks side by side). A chunk's shade
     says how many ranks' contributions it holds (dark: all of them); the chunk each rank has just received
-    from its left neighbour is outlined in red.
+    from its left neighbour is outlined in red. Rows are labelled RS k (reduce-scatter step k) and AG k
+    (all-gather step k).
     """
+    import textwrap
     n, m = len(frames[0]["buffers"]), frames[0]["buffers"][0].numel()
     bounds = frames[0]["bounds"]
     texts = [[fmt.format(v) for v in b.tolist()] for f in frames for b in f["buffers"]]
-    w = max(1.0, 0.3 * max(len(t) for row in texts for t in row) + 0.3)  # cell width for the longest number
-    group = m * w + 0.8
+    unit = 0.35  # inches per cell height; a digit at 9 pt is 0.08 in wide
+    w = max(1.0, (0.08 * max(len(t) for row in texts for t in row) + 0.03) / unit)  # room for the longest number
+    group = m * w + 0.4
     rows = len(frames)
+    left = 1.3
+    width_in = unit * (n * group + left)
     if ax is None:
-        _, ax = plt.subplots(figsize=(0.42 * (n * group + 4.5), 0.42 * (1.25 * rows + 1.2)))
+        ax = plt.figure(figsize=(width_in, unit * (1.25 * rows + 1.6))).add_axes((0, 0, 1, 1))
     cmap = plt.get_cmap("Blues")
     count = [[1] * n for _ in range(n)]  # count[r][c]: how many ranks' contributions rank r's chunk c holds
-    steps = {p: sum(f["phase"] == p for f in frames) for p in ("reduce-scatter", "all-gather")}
+    short = {"reduce-scatter": "RS", "all-gather": "AG"}
     for k, f in enumerate(frames):
         new = [row[:] for row in count]
         for src, dst, c in f["sends"]:
@@ -246,30 +331,32 @@ def ring_steps(frames: list[dict], ax=None, fmt: str = "{:g}"):
         count = new
         received = {(dst, c) for _, dst, c in f["sends"]}
         y = 1.25 * (rows - 1 - k)
-        label = "start" if f["phase"] == "start" else f"{f['phase']} {f['step'] + 1}/{steps[f['phase']]}"
-        ax.text(-0.4, y + 0.5, label, ha="right", va="center", fontsize=9)
+        label = "start" if f["phase"] == "start" else f"{short.get(f['phase'], f['phase'])} {f['step'] + 1}"
+        ax.text(-0.15, y + 0.5, label, ha="right", va="center", fontsize=9)
         for r in range(n):
             x0 = r * group
             for c, (a, b) in enumerate(bounds):
                 share = count[r][c] / n
                 for i in range(a, b):
                     _cell(ax, x0 + i * w, y, fmt.format(frames[k]["buffers"][r][i].item()), cmap(0.15 + 0.75 * share),
-                          tc="white" if share > 0.5 else "#222222", w=w, fontsize=8)
+                          tc="white" if share > 0.5 else "#222222", w=w, fontsize=9)
                 if (r, c) in received and b > a:
                     ax.add_patch(Rectangle((x0 + a * w, y), (b - a) * w, 1, fc="none", ec=PALETTE[3], lw=2.5,
                                            zorder=3))
     top = 1.25 * (rows - 1) + 1
     for r in range(n):
-        ax.text(r * group + m * w / 2, top + 0.55, f"rank {r}", ha="center", va="bottom", fontsize=10)
+        ax.text(r * group + m * w / 2, top + 0.75, f"rank {r}", ha="center", va="bottom", fontsize=10)
         for c, (a, b) in enumerate(bounds):
-            ax.text(r * group + (a + b) / 2 * w, top + 0.1, f"chunk {c}" if w * (b - a) >= 1.6 else f"c{c}",
-                    ha="center", va="bottom", fontsize=7, color="#777777")
-    ax.set_xlim(-5.2, n * group)
-    ax.set_ylim(-0.2, top + 1.4)
+            room = unit * w * (b - a)
+            ax.text(r * group + (a + b) / 2 * w, top + 0.1, f"chunk {c}" if room >= 0.6 else f"c{c}",
+                    ha="center", va="bottom", fontsize=9, color="#777777")
+    ax.set_xlim(-left, n * group)
+    ax.set_ylim(-0.2, top + 1.6)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title("every step, every rank r sends one chunk to rank r+1 (the last to rank 0); red: the chunk just "
-                 "received", fontsize=9)
+    title = ("every step, every rank r sends one chunk to rank r+1 (the last to rank 0); red: the chunk just "
+             "received. RS: reduce-scatter step, AG: all-gather step")
+    ax.set_title("\n".join(textwrap.wrap(title, max(30, int(width_in / 0.075)))), fontsize=9)
     return ax
 
 
@@ -282,7 +369,8 @@ def _size_label(size: float) -> str:
 
 def bandwidth(rows: list[dict], ops: list[str] | None = None, memcpy_GBps: float | None = None,
               models: dict | None = None, ax=None, title: str = ""):
-    """Bus bandwidth against message size from lab02's metrics["sweep"] rows, one line per op.
+    """Bus bandwidth against message size from lab02's metrics["sweep"] rows, one line per op (at most
+    MAX_SERIES of them: draw more in another plot).
 
     models (op -> costmodel.CostModel): dashed lines, the busbw the fitted alpha-beta model predicts;
     memcpy_GBps: a dotted line, this machine's memory-copy bandwidth (the ceiling for moving bytes).
@@ -291,7 +379,7 @@ def bandwidth(rows: list[dict], ops: list[str] | None = None, memcpy_GBps: float
     from matplotlib.ticker import FuncFormatter
     ops = ops or list(dict.fromkeys(r["op"] for r in rows))
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4))
+        _, ax = plt.subplots(figsize=(6.4, 3.6))
     for i, op in enumerate(ops):
         pts = sorted((r["size_bytes"], r["busbw_GBps"], r["busbw_GBps"] / r["algbw_GBps"])
                      for r in rows if r["op"] == op)
@@ -304,13 +392,15 @@ def bandwidth(rows: list[dict], ops: list[str] | None = None, memcpy_GBps: float
             s = np.geomspace(size[0], size[-1], 100)
             ax.plot(s, factor[0] * s / models[op].predict(s) / 1e9, ls="--", lw=1, color=color)
     if memcpy_GBps:
-        ax.axhline(memcpy_GBps, color="#555555", ls=":", lw=1.5, label=f"memcpy ({memcpy_GBps:.1f} GB/s)")
+        ax.axhline(memcpy_GBps, color="#555555", ls=":", lw=1.5)
+        ax.text(0.01, memcpy_GBps, f"memcpy {memcpy_GBps:.1f} GB/s", transform=ax.get_yaxis_transform(),
+                va="bottom", ha="left", fontsize=9, color="#555555")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
     ax.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title=title)
     ax.grid(True, which="major", color="#EEEEEE")
-    ax.legend(fontsize=8, loc="lower right")
+    legend_below(ax, ncol=2)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
 
@@ -348,35 +438,38 @@ def zero_pipeline(toy: dict, fmt: str = "{:.2f}"):
               "4. all-gather: every rank receives every updated slice"]
     panel_h = W + rows_gap
     height = 4 * panel_h + 1.2
-    _, ax = plt.subplots(figsize=(0.36 * (width + 2.6), 0.36 * height))
+    import textwrap
+    fig_w = 0.36 * (width + 2.6)
+    titles = ["\n".join(textwrap.wrap(t, max(30, int(fig_w / 0.075)))) for t in titles]
+    _, ax = plt.subplots(figsize=(fig_w, 0.36 * height))
     blank = dict(fc="white", ec="#CCCCCC", lw=0.8)
     for p in range(4):
         top = height - 1.2 - p * panel_h - rows_gap + 0.6  # y of the panel's top edge
         ax.text(-2.2, top + 0.35, titles[p], ha="left", va="bottom", fontsize=9, color="#333333")
         for r in range(W):
             y = top - 1 - r
-            ax.text(-0.25, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=8)
+            ax.text(-0.25, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=9)
             for k, e in enumerate(ranks[r]):
                 a, n = e["piece"] if e["piece"] is not None else (0, 0)
                 for i in range(sizes[k]):
                     x, mine = x0[k] + i * w, a <= i < a + n
                     if p == 0:
-                        _cell(ax, x, y, show(e["grad"][i]), PALETTE[r % len(PALETTE)], w=w, fontsize=7)
+                        _cell(ax, x, y, show(e["grad"][i]), PALETTE[r % len(PALETTE)], w=w, fontsize=9)
                     elif p == 1:
                         if mine:
-                            _cell(ax, x, y, show(e["grad_shard"][i - a]), REDUCED, w=w, fontsize=7)
+                            _cell(ax, x, y, show(e["grad_shard"][i - a]), REDUCED, w=w, fontsize=9)
                         else:
                             _cell(ax, x, y, "", w=w, **blank)
                     elif p == 2:
                         if mine:
                             _cell(ax, x, y, show(e["updated_shard"][i - a]), PALETTE[r % len(PALETTE)], w=w,
-                                  fontsize=7)
+                                  fontsize=9)
                         else:
-                            _cell(ax, x, y, show(toy["before"][k][i]), tc="#AAAAAA", w=w, fontsize=7, **blank)
+                            _cell(ax, x, y, show(toy["before"][k][i]), tc="#AAAAAA", w=w, fontsize=9, **blank)
                     else:
                         o = owner[k][i]
                         _cell(ax, x, y, show(e["param"][i]), PALETTE[o % len(PALETTE)] if o is not None
-                              else "#AAAAAA", w=w, fontsize=7)
+                              else "#AAAAAA", w=w, fontsize=9)
     head = height - 0.55
     for k, name in enumerate(names):
         shape = "×".join(map(str, ranks[0][k]["shape"])) or "scalar"
@@ -403,7 +496,7 @@ def newton_schulz_steps(result: dict, ax=None):
     ax.set_yscale("log")
     ax.set(xlabel="Newton-Schulz iterations", ylabel="singular value", xticks=range(len(steps)),
            title="orthogonalising a matrix: every direction pushed towards size 1")
-    ax.legend(fontsize=8, loc="lower right")
+    legend_below(ax, ncol=1)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
 
@@ -413,8 +506,9 @@ def muon_deal(owned: list[list[dict]], ax=None):
     metrics["pipeline"]["muon"]["owned"]: per rank, dicts with name and numel). Colour: the kind of matrix."""
     kinds = list(dict.fromkeys(m["name"].split(".", 2)[-1].rsplit(".", 1)[0] for ms in owned for m in ms))
     if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.9 + 0.55 * len(owned)))
+        _, ax = plt.subplots(figsize=(6.6, 0.9 + 0.55 * len(owned)))
     seen = set()
+    widest = max(sum(m["numel"] for m in ms) for ms in owned)
     for r, ms in enumerate(owned):
         left = 0
         for m in sorted(ms, key=lambda m: -m["numel"]):
@@ -424,12 +518,13 @@ def muon_deal(owned: list[list[dict]], ax=None):
                     label=kind if kind not in seen else None)
             seen.add(kind)
             block = m["name"].split(".")[1] if m["name"].startswith("blocks.") else ""
-            ax.text(left + m["numel"] / 2, r, block, ha="center", va="center", color="white", fontsize=7)
+            if m["numel"] >= widest / 12:  # room for the label at 9 pt
+                ax.text(left + m["numel"] / 2, r, block, ha="center", va="center", color="white", fontsize=9)
             left += m["numel"]
     ax.set_yticks(range(len(owned)), [f"rank {r}" for r in range(len(owned))])
     ax.invert_yaxis()
-    ax.set_xlabel("elements of the matrices this rank orthogonalises and updates (numbers: the block)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_xlabel("elements of the matrices this rank orthogonalises and updates\n(numbers: the block)")
+    legend_below(ax, ncol=2)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
 
@@ -440,7 +535,7 @@ def zero_memory(rows: list[dict], ax=None, unit: float = 2**20, unit_name: str =
     sizes = sorted({r["world_size"] for r in rows})
     stages = sorted({r["stage"] for r in rows})
     if ax is None:
-        _, ax = plt.subplots(figsize=(1.5 + 0.75 * len(sizes) * len(stages), 3.8))
+        _, ax = plt.subplots(figsize=(min(COLUMN_IN - 0.3, 1.4 + 0.42 * (len(sizes) * (len(stages) + 1))), 3.8))
     kinds = [("params", "parameters"), ("grads", "gradients"), ("optimizer_state", "optimizer state")]
     ticks, labels = [], []
     for g, n in enumerate(sizes):
@@ -457,13 +552,14 @@ def zero_memory(rows: list[dict], ax=None, unit: float = 2**20, unit_name: str =
             ax.plot([x - 0.4, x + 0.4], [row["total_formula"] / unit] * 2, color="black", lw=2,
                     label="formula (total)" if (g, j) == (0, 0) else None)
             ticks.append(x)
-            labels.append(f"stage {s}")
+            labels.append(str(s))
         ax.text(g * (len(stages) + 1) + (len(stages) - 1) / 2, -0.1, f"{n} rank{'s' if n > 1 else ''}",
                 ha="center", va="top", transform=ax.get_xaxis_transform(), fontsize=9)
-    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_xticks(ticks, labels)
+    ax.set_xlabel("ZeRO stage", labelpad=18)
     ax.set_ylabel(f"{unit_name} per rank")
-    ax.set_title("model states per rank: measured (bars) and ZeRO's formula (ticks)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_title("model states per rank: measured (bars), ZeRO's formula (ticks)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.24), ncol=2, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
 
@@ -476,7 +572,7 @@ def fsdp_layouts(flat: list[list[tuple]], dim0: list[list[tuple]], names: list[s
     W = len(flat)
     total = sum(numels)
     if axes is None:
-        _, axes = plt.subplots(2, 1, figsize=(8, 1.2 + 0.9 * W), sharex=True)
+        _, axes = plt.subplots(2, 1, figsize=(6.6, 1.4 + 0.9 * W), sharex=True)
     starts = [sum(numels[:i]) for i in range(len(numels))]
     for ax, layout, title in ((axes[0], flat, "nanodist FSDP: one flat buffer, N equal pieces"),
                               (axes[1], dim0, "torch FSDP2: every parameter cut along dim 0 (DTensor Shard(0))")):
@@ -508,7 +604,7 @@ def fsdp_timeline(runs: dict[str, list[dict]], axes=None):
     and off), on one time axis in milliseconds."""
     names = list(runs)
     if axes is None:
-        _, axes = plt.subplots(len(names), 1, figsize=(8.5, 0.9 + 1.9 * len(names)), sharex=True, squeeze=False)
+        _, axes = plt.subplots(len(names), 1, figsize=(6.6, 0.9 + 1.9 * len(names)), sharex=True, squeeze=False)
         axes = axes[:, 0]
     for ax, name in zip(axes, names):
         events = runs[name]
@@ -545,7 +641,7 @@ def fsdp_timeline(runs: dict[str, list[dict]], axes=None):
     from matplotlib.patches import Patch
     axes[0].legend(handles=[Patch(fc="#A6C8E8", label="all-gather in flight"), Patch(fc=PALETTE[0], label="gathered"),
                             Patch(fc=PALETTE[3], label="reduce-scatter")],
-                   loc="lower left", bbox_to_anchor=(0, 1.12), ncol=3, frameon=False, fontsize=9)
+                   loc="lower left", bbox_to_anchor=(0, 1.12), ncol=3, frameon=False)
     return axes
 
 
@@ -554,7 +650,7 @@ def memory_over_step(trace: dict, ax=None, unit: float = 2**20, unit_name: str =
     accounting: trace from experiment.measure_peak_step(run, trace=True)), with the saved activations and the
     gathered FSDP units drawn under it, and the forward / backward / optimizer phases marked."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.4))
+        _, ax = plt.subplots(figsize=(6.6, 3.2))
     x = trace["index"]
     ax.plot(x, [v / unit for v in trace["total"]], color="#333333", lw=1.4, label="all allocations")
     ax.stackplot(x, [v / unit for v in trace["activations"]], [v / unit for v in trace["gathered"]],
@@ -568,6 +664,6 @@ def memory_over_step(trace: dict, ax=None, unit: float = 2**20, unit_name: str =
     ax.set_ylim(0, top * 1.15)
     ax.set_xlabel("operations in the step, in order")
     ax.set_ylabel(f"{unit_name} above what is held")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return ax

@@ -457,3 +457,46 @@ def provenance(record: dict) -> str:
     ranks = f"{W} rank{'s' if W != 1 else ''}" + (f" on {nodes} nodes" if nodes and nodes > 1 else "")
     date = str(record.get("created", ""))[:10]
     return f"Measured on {machine}, {record.get('backend', '?')}, {ranks}, torch {hw.get('torch', '?')}, {date}."
+
+
+# ----------------------------------------------------------------------------- the reader's runs beside the references
+
+def is_reference(record: dict) -> bool:
+    """Whether a loaded record came from labs/results/reference/ (a run measured on another machine)."""
+    path = record.get("_path")
+    return bool(path) and REFERENCE_DIR.resolve() in Path(path).resolve().parents
+
+
+def references(lab: str, match=None) -> list[dict]:
+    """The committed reference runs of `lab` (labs/results/reference/<lab>/), oldest first; `match(record)` keeps
+    only the runs comparable to the reader's (same mode, same sizes)."""
+    return [r for r in load_all(lab, roots=[REFERENCE_DIR]) if match is None or match(r)]
+
+
+def machine(record: dict) -> str:
+    """A short name for the machine a record measured: its GPU if it used one, else its CPU and core count."""
+    hw = record.get("hardware", {})
+    gpus = hw.get("gpu_names") or []
+    if record.get("device") == "cuda" and gpus:
+        return f"{len(gpus)} x {gpus[0]}"
+    cores = hw.get("cpu_logical_cores")
+    return f"{hw.get('cpu_model', 'unknown CPU')}" + (f" ({cores} cores)" if cores else "")
+
+
+def beside(current, refs: list[dict], values: dict) -> Table:
+    """The reader's run(s) and the reference runs, one row each, with where each was measured and the chosen values.
+
+    current: a record or a list of them (this run); refs: records from references(); values: {column: fn(record)}
+    -- a value a record lacks shows as None."""
+    def row(record, source):
+        out = {"run": source, "measured on": machine(record), "backend": record.get("backend"),
+               "ranks": record.get("world_size"), "date": str(record.get("created", ""))[:10]}
+        for name, fn in values.items():
+            try:
+                v = fn(record)
+            except (KeyError, IndexError, TypeError, ZeroDivisionError):
+                v = None
+            out[name] = round(v, 3) if isinstance(v, float) else v
+        return out
+    current = current if isinstance(current, list) else [current]
+    return Table([row(r, "this run") for r in current] + [row(r, "reference") for r in refs])

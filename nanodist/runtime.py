@@ -262,7 +262,10 @@ def init(backend: str | None = None, device: str | torch.device | None = None, s
     pg_timeout = datetime.timedelta(seconds=timeout_s)
     if env is None:
         # A world of one still gets a process group, so collectives run unchanged in `python lab.py`.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
+        # On a GPU it names its device (device_id), as the ranks of a launched run do: barrier() and nccl then know
+        # which GPU is theirs instead of guessing.
+        one = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout, **one)
     else:
         _rendezvous(backend, env, dev, pg_timeout)
     _owns_group = True

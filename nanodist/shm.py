@@ -1,7 +1,7 @@
 """All-reduce through shared memory, for CPU ranks on one machine.
 
 gloo sends every byte through the network stack, even between two processes on the same machine: on
-a laptop a 3 MB gradient all-reduce goes through loopback TCP, copied into and out of the kernel on
+a laptop a 3 MiB gradient all-reduce goes through loopback TCP, copied into and out of the kernel on
 each side. Processes on one machine can instead map the same memory and add each other's data
 directly. NCCL does this between GPUs of one node (its SHM and P2P transports), and so does
 DeepSpeed's shared-memory all-reduce for CPUs. This file is that idea in a few lines:

@@ -182,7 +182,7 @@ def test_bytes_per_param_and_the_zero_paper_figure():
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         bytes_per_param("fp8")
     # ZeRO paper, Figure 1: 7.5B parameters on 64 GPUs, mixed-precision Adam: 120 / 31.4 / 16.6 / 1.9 GB
-    rows = memory_estimate_table(7.5e9, world_sizes=[64])
+    rows = memory_estimate_table(7.5e9, world_sizes=[64], unit=1e9)
     assert [r["total"] for r in rows] == [120.0, 31.41, 16.64, 1.88]
     assert rows[0]["vs_ddp"] == 1.0 and rows[3]["vs_ddp"] == pytest.approx(1.88 / 120, abs=1e-3)
 
@@ -196,12 +196,12 @@ def test_memory_calculator_reacts_to_its_controls():
             yield from widgets(child)
 
     calc = memory_calculator(7e9, world_size=8, stage=2)
-    assert repr(calc) == "memory calculator: 7e+09 params, 8 ranks, stage 2, mixed adamw: 26.25 GB per rank"
+    assert repr(calc) == "memory calculator: 7e+09 params, 8 ranks, stage 2, mixed adamw: 24.45 GiB per rank"
     stage = next(w for w in widgets(calc) if getattr(w, "description", "") == "ZeRO stage")
     html = next(w for w in widgets(calc) if "<table>" in str(getattr(w, "value", "")))
-    stage.value = 3  # 16 bytes x 7e9 / 8 ranks
-    assert repr(calc).endswith("stage 3, mixed adamw: 14.00 GB per rank")
-    assert "14.0" in html.value
+    stage.value = 3  # 16 bytes x 7e9 / 8 ranks = 14e9 bytes
+    assert repr(calc).endswith("stage 3, mixed adamw: 13.04 GiB per rank")
+    assert "13.04" in html.value
     with pytest.raises(ValueError):
         memory_calculator(7e9, stage=5)
 

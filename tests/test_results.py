@@ -178,3 +178,21 @@ def test_provenance_names_machine_backend_world_and_date():
     assert "(2 cores, no GPU), gloo, 1 rank," in results.provenance(record)
     record.update(world_size=4, nnodes=2)
     assert "4 ranks on 2 nodes" in results.provenance(record)
+
+
+def test_the_repository_ships_reference_runs_that_the_chapters_draw():
+    from nanodist.results import beside, is_reference, machine, references
+    for lab in ("lab01_ranks", "lab02_allreduce", "lab03_ddp", "lab04_zero", "lab05_fsdp", "lab06_checkpoint"):
+        refs = references(lab)
+        assert refs, f"no reference run of {lab} under labs/results/reference/"
+        for r in refs:
+            assert is_reference(r) and r["complete"] and r["hardware"]["cpu_model"]
+            assert not any(str(a).startswith(("/tmp", "/home", "/work")) for a in r["argv"]), r["argv"]
+    ref = references("lab03_ddp", match=lambda r: "speedup" in r["metrics"])[0]
+    mine = {**ref, "hardware": {**ref["hardware"], "cpu_model": "My CPU", "cpu_logical_cores": 8}}
+    mine.pop("_path")
+    table = beside(mine, [ref], {"speedup": lambda r: r["metrics"]["speedup"], "missing": lambda r: r["metrics"]["x"]})
+    assert [row["run"] for row in table] == ["this run", "reference"]
+    assert table[0]["measured on"] == "My CPU (8 cores)" and table[1]["measured on"] == machine(ref)
+    assert table[0]["speedup"] == round(ref["metrics"]["speedup"], 3) and table[0]["missing"] is None
+    assert not is_reference(mine)

@@ -78,8 +78,8 @@ gathered units at a time instead of the whole model. The model states shrink by 
 
 code(r"""
 print("stage 3, 7.5e9 parameters, mixed-precision AdamW, 64 ranks:",
-      f"{zero_memory_bytes(7.5e9, 64, 3)['total'] / 1e9:.2f} GB per rank;",
-      f"stage 2: {zero_memory_bytes(7.5e9, 64, 2)['total'] / 1e9:.2f} GB")
+      f"{zero_memory_bytes(7.5e9, 64, 3)['total'] / 2**30:.2f} GiB per rank;",
+      f"stage 2: {zero_memory_bytes(7.5e9, 64, 2)['total'] / 2**30:.2f} GiB")
 """)
 
 md(r"""
@@ -87,12 +87,12 @@ md(r"""
 gradient once. By Chapter 2's ring algorithms each of these sends $\frac{N-1}{N}$ of the unit's bytes
 from every rank, so FSDP sends $3\frac{N-1}{N}\Psi$ bytes per rank and step, where DDP's all-reduce sends
 $2\frac{N-1}{N}\Psi$: **1.5 times as much**. `nanodist.costmodel.bytes_per_step` counts it for each way of
-keeping data-parallel ranks in sync (bytes per rank and step, for a model of 1 GB):
+keeping data-parallel ranks in sync (bytes per rank and step, for a model of 1 GiB):
 """)
 
 code(r"""
 strategies = ["ddp", "zero1", "zero2", "fsdp", "fsdp-keep"]
-volume = Table({"ranks": n, **{s: f"{bytes_per_step(s, 1e9, n) / 1e9:.2f} GB" for s in strategies}} for n in (2, 8, 64))
+volume = Table({"ranks": n, **{s: f"{bytes_per_step(s, 2**30, n) / 2**30:.2f} GiB" for s in strategies}} for n in (2, 8, 64))
 for n in (2, 8, 64):
     assert abs(bytes_per_step("fsdp", 1, n) / bytes_per_step("ddp", 1, n) - 1.5) < 1e-12
 volume
@@ -130,7 +130,7 @@ names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 numels = [torch.Size(s).numel() for s in shapes]
 flat, dim0 = flat_layout(numels, 3), dim0_layout(shapes, 3)
 plots.fsdp_layouts(flat, dim0, names, numels)
-plt.show()
+plots.show()
 """)
 
 code(r"""
@@ -246,7 +246,7 @@ caption("prov_lab", lab.results)
 glue("prefetch_ms", 1e3 * tl["prefetch"]["step_s"], display=False)
 glue("no_prefetch_ms", 1e3 * tl["no_prefetch"]["step_s"], display=False)
 plots.fsdp_timeline({"prefetch on": tl["prefetch"]["events"], "prefetch off": tl["no_prefetch"]["events"]})
-plt.show()
+plots.show()
 """, TIMING)
 
 md(r"""
@@ -304,13 +304,12 @@ allocator. Here is one FSDP step and one DDP step of the lab GPT, on rank 0:
 """)
 
 code(r"""
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharey=True)
-for ax, name in zip(axes, ("ddp", "fsdp")):
-    plots.memory_over_step(tl["memory_trace"][name]["trace"], ax=ax)
+top = max(max(tl["memory_trace"][name]["trace"]["total"]) for name in ("ddp", "fsdp")) / 2**20
+for name in ("ddp", "fsdp"):
+    ax = plots.memory_over_step(tl["memory_trace"][name]["trace"])
+    ax.set_ylim(0, 1.15 * top)  # one scale for both plots
     ax.set_title(f"{name.upper()}: bytes allocated during one step", fontsize=10, loc="left")
-axes[0].get_legend().remove()
-plt.tight_layout()
-plt.show()
+    plots.show()
 """)
 
 md(r"""
@@ -363,7 +362,7 @@ for row in table:  # every rank of every run: exact, but for AdamW's step counte
     assert row["params_measured"] == row["params_formula"] and row["grads_measured"] == row["grads_formula"]
     assert row["optimizer_state_measured"] - row["state_scalars"] == row["optimizer_state_formula"]
 plots.zero_memory(table.where(rank=0))
-plt.show()
+plots.show()
 """)
 
 code(r"""
@@ -418,7 +417,20 @@ caption("prov_timed", timed.results)
 glue("fsdp_vs_fsdp2", ratio, display=False)
 step_ms = {name: 1e3 * r["median_step_s"] for name, r in impls.items()}
 plots.bars(list(step_ms), list(step_ms.values()), "median step (ms)", "step time, 2 gloo ranks")
-plt.show()
+plots.show()
+""", TIMING)
+
+md(r"""
+The repository keeps runs of this lab measured on the machine these pages were built on, under `labs/results/reference/` (the same folder takes runs brought from a GPU box). Your run comes first; each row says where it was measured:
+""")
+
+code(r"""
+refs = nd.results.references("lab05_fsdp", match=lambda r: "ratio_step_fsdp_vs_fsdp2" in r["metrics"])
+assert refs, "the repository ships a reference run of lab 5 (labs/results/reference/lab05_fsdp)"
+nd.results.beside(timed.results, refs, {
+    "FSDP / FSDP2 step": lambda r: r["metrics"]["ratio_step_fsdp_vs_fsdp2"],
+    "model states, FSDP / DDP": lambda r: r["metrics"]["ratio_states_fsdp_vs_ddp"],
+    "bytes sent, FSDP / DDP": lambda r: r["metrics"]["ratio_bytes_sent_fsdp_vs_ddp"]})
 """, TIMING)
 
 md(r"""

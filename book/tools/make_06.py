@@ -44,7 +44,7 @@ from IPython.display import Markdown
 from myst_nb import glue
 
 import nanodist as nd
-from nanodist import checkpoint
+from nanodist import checkpoint, plots
 from nanodist.check import check_sampler_exactly_once
 from nanodist.checkpoint import CheckpointError, CheckpointManager, fingerprint, read_meta, verify
 from nanodist.costmodel import checkpoint_overhead, young_daly_interval
@@ -153,14 +153,21 @@ for forget in (None, "random generators", "data position", "optimizer state", "l
 
 exact = curves["resumed exactly"] == straight_losses
 assert exact and all(c[6:] != straight_losses[6:] for k, c in curves.items() if k.startswith("forgot"))
-fig, ax = plt.subplots(figsize=(8, 4))
-for name, losses in curves.items():
-    ax.plot(range(len(losses)), losses, marker="o" if name == "uninterrupted" else ".",
-            lw=3 if name == "uninterrupted" else 1.2, label=name, alpha=0.9)
-ax.axvline(5.5, color="gray", ls=":")
-ax.set(xlabel="step", ylabel="training loss", title="Resumed at step 6: exactly, and with one piece forgotten")
-ax.legend(fontsize=8)
-plt.show()
+forgotten = [k for k in curves if k.startswith("forgot")]
+fig, axes = plt.subplots(2, 2, figsize=(6.6, 5.2), sharex=True, sharey=True, gridspec_kw={"hspace": 0.45})
+for ax, name in zip(axes.flat, forgotten):
+    ax.plot(straight_losses, color="#333333", lw=3, label="uninterrupted = resumed exactly")
+    ax.plot(curves[name], color=plots.PALETTE[3], lw=1.4, marker=".", label="resumed, one piece forgotten")
+    ax.axvline(5.5, color="gray", ls=":")
+    ax.set_title(name, fontsize=10)
+    ax.spines[["top", "right"]].set_visible(False)
+for ax in axes[1]:
+    ax.set_xlabel("step")
+for ax in axes[:, 0]:
+    ax.set_ylabel("training loss")
+axes[1, 0].legend(loc="upper left", bbox_to_anchor=(0.0, -0.3), ncol=2, frameon=False)
+fig.suptitle("Resumed at step 6 (dotted line): exactly, and with one piece forgotten")
+plots.show()
 Table({"run": k, "loss at step 7": c[7], "loss at step 9": c[9], "equal to uninterrupted": c == straight_losses,
        "first step that differs": next((i for i, (x, y) in enumerate(zip(c, straight_losses)) if x != y), "none")}
       for k, c in curves.items())
@@ -415,18 +422,19 @@ confirms that every window up to the last cursor was read exactly once:
 code(r"""
 segments = [rec["metrics"]["windows"] for _, _, _, rec in chain]
 read = []
-fig, ax = plt.subplots(figsize=(9, 2.6))
+fig, ax = plt.subplots(figsize=(6.6, 2.6))
 for i, (seg, nxt) in enumerate(zip(segments, segments[1:] + [None])):
     stop = nxt["start"] if nxt else seg["stop"]
     for r, ps in enumerate(seg["positions"]):
         mine = [p for p in ps if p < stop]
         read += mine
-        ax.scatter(mine, [i + 0.15 * r] * len(mine), s=12, label=f"{seg['world_size']} ranks, rank {r}")
+        ax.scatter(mine, [i + 0.15 * r] * len(mine), s=12, color=plots.PALETTE[r],
+                   label=f"rank {r}" if i == 1 else None)  # the 3-rank segment names every rank once
 coverage = check_sampler_exactly_once([read], segments[-1]["stop"], drop_last=True)
 ax.set(xlabel="position in the epoch's window order", yticks=[0, 1, 2], yticklabels=["2 ranks", "3 ranks", "1 rank"],
        title="Windows read across two reshards: each position once")
-ax.legend(fontsize=7, ncol=3, loc="upper left", bbox_to_anchor=(0, -0.35))
-plt.show()
+ax.legend(ncol=3, loc="upper left", bbox_to_anchor=(0, -0.35), frameon=False)
+plots.show()
 print(f"{len(read)} windows, each read once:", sorted(read) == list(range(segments[-1]["stop"])))
 """)
 
@@ -450,11 +458,12 @@ bench = nd.launch("lab06_checkpoint", nproc=2, echo=False, timeout=120,
 b = bench.results["metrics"]
 caption("prov_bench", bench.results)
 Table({"save": k, "training blocked (ms)": round(1e3 * o["blocked_s"], 1), "saved (ms)": round(1e3 * o["total_s"], 1),
-       "loaded (ms)": round(1e3 * o["load_s"], 1), "size (MB)": round(o["bytes"] / 1e6, 2)} for k, o in b["kinds"].items())
+       "loaded (ms)": round(1e3 * o["load_s"], 1), "size (MiB)": round(o["bytes"] / 2**20, 2)} for k, o in b["kinds"].items())
 """, TIMING)
 
 code(r"""
 glue("bench_params", b["params"] / 1e6, display=False)
+glue("medium_mib", 4 * GPT(GPTConfig.preset("medium")).num_params() / 2**20, display=False)
 glue("ratio_sharded", b["ratio_sharded_vs_full_save"], display=False)
 glue("ratio_async", b["ratio_async_blocked_vs_sync_sharded"], display=False)
 assert b["kinds"]["sharded-async"]["blocked_s"] <= b["kinds"]["sharded-async"]["total_s"]
@@ -468,7 +477,8 @@ For this {glue:text}`bench_params:.2f` M-parameter model, the sharded save took 
 the full save's time and an asynchronous sharded save blocked training for {glue:text}`ratio_async:.2f` × a
 synchronous one. The sizes on disk are the same: the same tensors, in one file or in one per rank.
 Small models on two CPU cores make noisy ratios; `torchrun --nproc_per_node=2 labs/lab06_checkpoint.py --bench
---model medium` runs the same comparison at 57 MB of parameters (171 MB of state).
+--model medium` runs the same comparison on the `medium` preset, about {glue:text}`medium_mib:.0f` MiB of fp32 parameters
+(three times that with AdamW's two moments).
 
 **How often?** Saving every $\tau$ seconds of training costs $C/\tau$ of the time, where $C$ is the time
 training is blocked per save. A failure, arriving on average every $M$ seconds (the mean time between
@@ -495,15 +505,15 @@ M, R = 24 * 3600.0, 300.0  # assumed: one failure a day, five minutes to restart
 C_sync = b["kinds"]["sharded"]["blocked_s"]
 C_async = b["kinds"]["sharded-async"]["blocked_s"]
 taus = [10 ** (k / 20) for k in range(0, 101)]  # 1 s to 1e5 s
-fig, ax = plt.subplots(figsize=(7, 3.6))
+fig, ax = plt.subplots(figsize=(6.4, 3.6))
 for label, C in (("synchronous sharded", C_sync), ("asynchronous sharded", C_async)):
     ax.loglog(taus, [100 * checkpoint_overhead(t, C, M, R) for t in taus], label=label)
     best = young_daly_interval(C, M)
     ax.scatter([best], [100 * checkpoint_overhead(best, C, M, R)], zorder=3)
 ax.set(xlabel="seconds of training between saves", ylabel="expected time lost (%)",
        title="Save cost vs lost work (measured save times, assumed failure rate)")
-ax.legend()
-plt.show()
+plots.legend_below(ax, ncol=2)
+plots.show()
 glue("tau_sync", young_daly_interval(C_sync, M), display=False)
 glue("tau_async", young_daly_interval(C_async, M), display=False)
 glue("loss_sync", 100 * checkpoint_overhead(young_daly_interval(C_sync, M), C_sync, M, R), display=False)

@@ -3,7 +3,8 @@
     python book/tools/site_check.py [--html _build/html] [--require]
 
 Uses the Chromium of the system packages (never a downloaded browser build), driven by Playwright. Checks each
-page for: JavaScript errors; an empty widget area; an image wider than the content column; a table wider than it
+page for: JavaScript errors; an empty widget area; an image wider than the content column, or a figure shrunk
+so far that its text renders under 9 pt; a table wider than it
 that no scroll container holds; a temporary path or an internal '(target >= ...)' string; a raw glue box (a value
 glued for the prose but shown in a box); an internal link to a page or anchor that does not exist. Saves a
 full-page screenshot of each under _build/screenshots/.
@@ -20,9 +21,13 @@ from urllib.parse import unquote, urlsplit
 ROOT = Path(__file__).resolve().parents[2]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
+# nanodist.plots draws figures at 100 dpi with no text under 9 pt: at 100 % a 9 pt font shows as 9.4 CSS pt, so a
+# figure may be shrunk to 96 % before its smallest text falls under 9 pt.
+MIN_SCALE = 0.96
+
 # Runs in the page: every problem the page shows, as strings.
 PAGE_CHECKS = r"""
-() => {
+(MIN_SCALE) => {
   const problems = [];
   const column = document.querySelector("main article, .bd-article, article, main") || document.body;
   const width = column.getBoundingClientRect().width;
@@ -32,6 +37,11 @@ PAGE_CHECKS = r"""
     const w = img.getBoundingClientRect().width;
     if (w > width + 1) problems.push(`image ${img.getAttribute("src")} is ${Math.round(w)} px wide, the column ${Math.round(width)} px`);
     if (img.complete && img.naturalWidth === 0) problems.push(`image ${img.getAttribute("src")} did not load`);
+    // A figure is drawn with text of at least 9 pt at 100 dpi (nanodist.plots); shown below MIN_SCALE of its size,
+    // that text would render under 9 pt.
+    if (img.closest(".cell_output") && img.naturalWidth > 0 && w > 0 && w / img.naturalWidth < MIN_SCALE)
+      problems.push(`figure ${img.getAttribute("src")} is shrunk to ${Math.round(100 * w / img.naturalWidth)}% ` +
+                    `(${img.naturalWidth} px into ${Math.round(w)} px): its text renders below 9 pt; draw it narrower`);
   }
   for (const t of column.querySelectorAll("table")) {
     const w = t.getBoundingClientRect().width;
@@ -165,7 +175,7 @@ def main() -> int:
             errors.clear()
             page.goto(p.resolve().as_uri(), wait_until="load")
             page.wait_for_timeout(300)
-            found = [*errors, *page.evaluate(PAGE_CHECKS), *link_problems(p, html, anchors), *glue_boxes(name)]
+            found = [*errors, *page.evaluate(PAGE_CHECKS, MIN_SCALE), *link_problems(p, html, anchors), *glue_boxes(name)]
             page.screenshot(path=str(shots / f"{p.stem}.png"), full_page=True)
             if found:
                 problems[p.name] = found
