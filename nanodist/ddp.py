@@ -169,6 +169,12 @@ class DDP(_SyncBase):
       instead of the process group: no network stack, but the reduction runs in the hook, so it does not
       overlap backward. Where it cannot be used (ranks on several machines, no room in /dev/shm) DDP says
       so once and uses the process group.
+    - deferred_checks: read the per-step consistency check (did every rank have every gradient, were all
+      ranks at the same step) one sync later, from a host copy made without waiting, so that a step never
+      waits for the device. Default: on when the gradients live on a GPU, where reading a device tensor
+      would stall the CPU until the GPU catches up; off on the CPU, where reading it costs nothing and a
+      fault is reported at the very step it happened. `check_pending()` reads a pending check at once.
+      (find_unused_parameters=True still reads its flags every step: it must know before the update.)
 
     The hooks, the bucket order and the end-of-backward wait are the gradient-sync engine's (nanodist.sync);
     what is DDP's own is below: how a bucket is packed and reduced, and where the average ends up.
@@ -177,7 +183,7 @@ class DDP(_SyncBase):
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  record_timeline: bool = False, first_bucket_cap_mb: float | None = None,
-                 shared_memory: bool = False):
+                 shared_memory: bool = False, deferred_checks: bool | None = None):
         super().__init__(module, group, broadcast_buffers)
         first_bucket_cap_mb = bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
         if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
@@ -195,6 +201,8 @@ class DDP(_SyncBase):
         self.buckets = self._build_buckets()
         self.shared_memory = shared_memory and self.world_size > 1 and self._attach_shared_memory()
         self._missing = 0  # this rank's parameters without a gradient, sent along in the last bucket
+        self.deferred_checks = (self.group.comm_device.type == "cuda") if deferred_checks is None else deferred_checks
+        self._pending_check = None  # deferred_checks: (host copy of the summed control, its event, names missing)
         self.optimizer_steps = 0  # steps of the optimizers that hold these parameters (torch's global step hook)
         ids, me = {id(p) for p in self._params}, weakref.ref(self)
 
@@ -276,8 +284,9 @@ class DDP(_SyncBase):
             # missed a gradient, and whether all ranks were at the same step (N sum(s^2) == (sum s)^2 only when
             # every s is equal).
             tag = float(self.optimizer_steps % 1024 + 1)
-            self._control = torch.tensor([self._missing, tag, tag * tag], dtype=torch.float64,
-                                         device=self.group.comm_device)
+            device = self.group.comm_device  # built on the host, sent without waiting (pinned on a GPU)
+            host = torch.tensor([self._missing, tag, tag * tag], dtype=torch.float64, pin_memory=device.type == "cuda")
+            self._control = host.to(device, non_blocking=True)
             self._control_work = all_reduce_sum(self._control, self.group)
         if reducer is not None:
             # The gradients went straight into this rank's row of the shared memory; the ranks add up each
@@ -300,18 +309,22 @@ class DDP(_SyncBase):
             dist.all_reduce(flags, group=self.pg)
             unused_everywhere = {i for i, f in enumerate(flags.tolist()) if f == 0}
         self._control_work.wait()
-        missed, tags, squares = self._control.tolist()  # summed over the ranks
-        if self.world_size * squares != tags * tags:
-            self._raise_step_drift()
-        anyone_missing = missed > 0
-        if anyone_missing and not self.find_unused_parameters:
-            # Every rank raises, so no rank walks on into the next step's collectives alone.
-            names = [self.trainable[i][0] for i in missing]
-            here = (f"on this rank: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names
-                    else "on another rank (this rank had every gradient)")
-            raise RuntimeError(
-                f"DDP: parameter(s) got no gradient this step, {here}. If they are unused on purpose, wrap "
-                f"with DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
+        names = [self.trainable[i][0] for i in missing]
+        if self.deferred_checks:
+            # Copy the sums to the host without waiting (pinned memory on a GPU), and read the *previous*
+            # step's copy, long since arrived: every rank does the same, so every rank raises at the same sync.
+            pending = self._pending_check
+            cuda = self._control.is_cuda
+            host = torch.empty(3, dtype=torch.float64, pin_memory=cuda)
+            host.copy_(self._control, non_blocking=cuda)
+            event = torch.cuda.Event() if cuda else None
+            if event is not None:
+                event.record()
+            self._pending_check = (host, event, names)
+            if pending is not None:
+                self._check(*pending, late=True)
+        else:
+            self._check(self._control, None, names)
         for b in self.buckets:
             for s, view in zip(b.slots, b.extra["views"]):
                 p = params[s.param]
@@ -319,6 +332,30 @@ class DDP(_SyncBase):
                     p.grad = view  # the averaged gradient lives in the bucket: no copy back
         for i in unused_everywhere:
             params[i].grad = None
+
+    def check_pending(self) -> None:
+        """Read a deferred consistency check now (deferred_checks), raising as the step itself would have.
+        Every rank must call it at the same point (it may run a collective to name the ranks' steps)."""
+        pending, self._pending_check = self._pending_check, None
+        if pending is not None:
+            self._check(*pending, late=True)
+
+    def _check(self, control: torch.Tensor, event, names: list[str], late: bool = False) -> None:
+        """The summed control numbers of a sync: raise if the ranks were at different steps or a gradient was
+        missing (without find_unused_parameters). Every rank holds the same sums, so every rank raises."""
+        if event is not None:
+            event.synchronize()  # recorded a step ago: done by now
+        missed, tags, squares = control.tolist()  # summed over the ranks
+        when = "the previous step" if late else "this step"
+        if self.world_size * squares != tags * tags:
+            self._raise_step_drift()
+        if missed > 0 and not self.find_unused_parameters:
+            # Every rank raises, so no rank walks on into the next step's collectives alone.
+            here = (f"on this rank: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names
+                    else "on another rank (this rank had every gradient)")
+            raise RuntimeError(
+                f"DDP: parameter(s) got no gradient {when}, {here}. If they are unused on purpose, wrap "
+                f"with DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
 
     def _raise_step_drift(self) -> None:
         """The ranks averaged gradients of different optimizer steps: say which rank was where, on every rank."""

@@ -36,6 +36,20 @@ class DistConfigError(RuntimeError):
     """The distributed set-up is wrong (environment, backend, device); the message says how to fix it."""
 
 
+def _one_line_for_config_errors(kind, value, tb, _previous=sys.excepthook):
+    """A script that ends on a DistConfigError (wrong backend, more nccl ranks than GPUs...) prints its reason as
+    one line, not a traceback through nanodist's internals: the message already says what to do. Anything else,
+    and anything caught (tests, notebooks), is untouched."""
+    if isinstance(value, DistConfigError):
+        rank = os.environ.get("RANK")
+        print(f"nanodist{f' (rank {rank})' if rank is not None else ''}: {value}", file=sys.stderr, flush=True)
+        return
+    _previous(kind, value, tb)
+
+
+sys.excepthook = _one_line_for_config_errors
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """Who this process is in the run. Immutable; returned by `init()` and `dist_info()`."""

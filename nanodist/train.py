@@ -343,6 +343,9 @@ class Trainer:
         if not self._pending:
             return
         rows, self._pending = self._pending, []
+        check = getattr(self.sync, "check_pending", None)  # DDP on a GPU checks its syncs a step late: read the last
+        if callable(check):
+            check()
         for row in rows:
             row["time_s"] = self._timer.seconds(row.pop("start"), row.pop("end"))
             row["tokens_per_s"] = self.tokens_per_step / row["time_s"] if row["time_s"] > 0 else float("inf")

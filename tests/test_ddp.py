@@ -272,3 +272,68 @@ def test_ranks_whose_step_counts_drift_apart_fail_at_once_and_are_named():
         assert out["error"] and "averaged gradients from different steps" in out["error"]
         assert "rank 0 after 2 optimizer step(s), rank 1 after 1 optimizer step(s)" in out["error"]
     assert [o["step"] for o in outs] == [2, 1]
+
+
+def deferred_worker(rank, world, case):
+    """DDP(deferred_checks=True), the mode a GPU gets by default: the same gradients, and a fault reported on every
+    rank one sync later (or at check_pending())."""
+    torch.manual_seed(0)
+    net = Net()
+    net.unused.requires_grad_(False)
+    ours = nd.DDP(_copy(net), bucket_cap_mb=0.004, deferred_checks=True)
+    plain = nd.DDP(_copy(net), bucket_cap_mb=0.004, deferred_checks=False)
+    for step in range(2):
+        for m in (ours, plain):
+            m.zero_grad()
+            loss_of(m, *batch(rank, step=step)).backward()
+        same_grads(grads(ours.module), grads(plain.module))
+    ours.check_pending()  # nothing wrong so far
+    torch.manual_seed(0)
+    ddp = nd.DDP(Net(), deferred_checks=True)
+    x, y = batch(rank)
+    nn.functional.cross_entropy(ddp(x, use_unused=rank == 0), y).backward()  # rank 1 misses `unused`
+    if case == "check_pending":
+        try:
+            ddp.check_pending()
+        except RuntimeError as e:
+            return {"at": "check_pending", "error": str(e)}
+        return {"at": None, "error": None}
+    try:
+        nn.functional.cross_entropy(ddp(x), y).backward()  # the next sync reads the previous one's check
+    except RuntimeError as e:
+        return {"at": "next sync", "error": str(e)}
+    return {"at": None, "error": None}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,case", [(2, "next sync"), (3, "check_pending")])
+def test_deferred_checks_equal_the_immediate_ones_and_report_a_step_late(world, case):
+    outs = spawn(deferred_worker, world, args=(case,), timeout=120)
+    for rank, out in enumerate(outs):  # every rank raises, at the same point
+        assert out["at"] == case, out
+        assert "got no gradient the previous step" in out["error"]
+        assert ("on this rank: unused.weight, unused.bias" if rank == 1 else "on another rank") in out["error"]
+
+
+def _sync_free_step_worker(rank, world):
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = nd.DDP(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda())
+    assert model.deferred_checks, "on a GPU the per-step check is read a step late"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(32, 64, device="cuda")
+    for step in range(3):
+        if step == 1:
+            torch.cuda.set_sync_debug_mode("error")  # from here, any hidden host-device sync raises
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.set_sync_debug_mode("default")
+    model.check_pending()
+    return True
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_ddp_step_on_a_gpu_never_waits_for_the_device():
+    assert spawn(_sync_free_step_worker, 1, backend="nccl", timeout=120) == [True]

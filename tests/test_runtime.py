@@ -243,3 +243,16 @@ def test_the_timeout_must_be_positive(clean_env, value):
     clean_env.setenv("NANODIST_TIMEOUT", value)
     with pytest.raises(DistConfigError, match=f"NANODIST_TIMEOUT='{value}' must be a positive number of seconds"):
         nd.init()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, nccl at a world of one is no error")
+def test_a_script_that_ends_on_a_set_up_error_prints_one_line():
+    """nccl asked for where it cannot run (no GPU here; on a GPU box, more ranks than GPUs): one clear line."""
+    import subprocess
+    import sys
+    code = "import nanodist as nd; nd.init(backend='nccl')"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "NANODIST_BACKEND")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("nanodist: backend 'nccl' needs") and "Traceback" not in out.stderr
