@@ -36,18 +36,15 @@ class DistConfigError(RuntimeError):
     """The distributed set-up is wrong (environment, backend, device); the message says how to fix it."""
 
 
-def _one_line_for_config_errors(kind, value, tb, _previous=sys.excepthook):
+def _one_line_for_config_errors(kind, value, tb, _previous=sys.__excepthook__):
     """A script that ends on a DistConfigError (wrong backend, more nccl ranks than GPUs...) prints its reason as
     one line, not a traceback through nanodist's internals: the message already says what to do. Anything else,
-    and anything caught (tests, notebooks), is untouched."""
+    and anything caught (tests, notebooks), is untouched. Installed by init(), the call that raises them."""
     if isinstance(value, DistConfigError):
         rank = os.environ.get("RANK")
         print(f"nanodist{f' (rank {rank})' if rank is not None else ''}: {value}", file=sys.stderr, flush=True)
         return
     _previous(kind, value, tb)
-
-
-sys.excepthook = _one_line_for_config_errors
 
 
 @dataclass(frozen=True)
@@ -259,6 +256,8 @@ def init(backend: str | None = None, device: str | torch.device | None = None, s
     global _info, _owns_group
     if _info is not None and dist.is_initialized():
         return _info
+    if sys.excepthook is sys.__excepthook__:  # a script's own hook (or IPython's) is left alone
+        sys.excepthook = _one_line_for_config_errors
     timeout_s = _timeout_s(timeout)
     if dist.is_initialized():  # someone else made the group: describe it, do not own it
         _info = _describe_group(device, seed)
