@@ -113,7 +113,7 @@ def demo(info) -> dict:
     Rank r starts from [10r, 10r+1, ..., 10r+n-1]: the tens digit says whose number it is (n <= 10).
     The reduce-scatter's output is the all-gather's input: the two together are an all-reduce.
     """
-    n, rank, dev = info.world_size, info.rank, info.device
+    n, rank, dev = info.world_size, info.rank, nanodist.Group.world().comm_device  # gloo: host memory
     mine = torch.arange(n, device=dev) + 10 * rank  # int64: sums are exact, pictures readable
     t, shard, full = mine.clone(), mine.new_empty(1), mine.new_empty(n)
     out = {}
@@ -223,8 +223,15 @@ def main():
         sys.stderr.write(f"lab02_allreduce.py: error: {e}\n")
         sys.exit(2)
     info = nanodist.init(seed=args.seed)
-    n, dev, dtype = info.world_size, info.device, DTYPES[args.dtype]
+    n, dtype = info.world_size, DTYPES[args.dtype]
+    # The buffers live where the backend moves them from: GPU memory for nccl, host memory for gloo -- gloo's
+    # point-to-point calls cannot read GPU memory, so ranks sharing a GPU through gloo measure gloo itself.
+    dev = nanodist.Group.world().comm_device
+    if dev != info.device:
+        nanodist.print0(f"gloo moves host memory: the collectives below run on buffers on {dev.type}, "
+                        f"while this run computes on {info.device}")
     rec = Recorder("lab02_allreduce", config=vars(args))
+    rec.metrics["buffers_device"] = dev.type
     if args.demo:
         run_demo(info, rec)
         rec.save()

@@ -101,9 +101,18 @@ def _post(sends=(), recvs=(), pg=None) -> list:
     for its send to finish before it has offered to receive. Empty tensors (and None) carry nothing
     and are skipped: both sides know the sizes, so they skip the same messages.
     """
+    for t, _ in (*sends, *recvs):
+        if t is not None and t.is_cuda and _backend(pg) == "gloo":
+            raise ValueError(f"gloo's point-to-point send/recv cannot move GPU memory, and this is a {t.dtype} tensor "
+                             f"on {t.device}: give the ring collectives CPU tensors on a gloo group (t.cpu(), then "
+                             f"copy the result back), or use nccl (one GPU per rank)")
     ops = [dist.P2POp(dist.isend, t, peer, pg) for t, peer in sends if t is not None and t.numel() > 0]
     ops += [dist.P2POp(dist.irecv, t, peer, pg) for t, peer in recvs if t is not None and t.numel() > 0]
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _backend(pg) -> str:
+    return dist.get_backend(pg)
 
 
 def _wait(requests) -> None:

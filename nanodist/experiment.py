@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser, *, steps: int = 50, total_batch_he
                    help="a nanodist.model preset; auto: 'small' on a CPU, 'gpt2' (124 M parameters) on a GPU")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (FSDP: the layers inside each unit); compiling happens in the "
+                        "warm-up steps, which the timings leave out")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (DDP and ZeRO)")
     p.add_argument("--shared-memory", choices=["auto", "on", "off"], default="auto",
                    help="nanodist's gradient reduction through shared memory (auto: when every rank is a CPU "
@@ -199,6 +202,19 @@ def build_model(args, vocab_size: int, device) -> GPT:
     return GPT(cfg).to(device)
 
 
+def compile_model(raw: nn.Module, wrapper: str) -> None:
+    """torch.compile in place (Module.compile: the parameters keep their names, so checkpoints do not change).
+    Under FSDP the layers inside each unit are compiled, not the unit: its hooks gather and free the unit's
+    parameters around the compiled code. The wrappers that average gradients in hooks on the parameters (DDP,
+    the sharded optimizers) run them outside the compiled code by themselves."""
+    if wrapper in ("fsdp", "fsdp2"):
+        for block in raw.blocks:
+            for layer in block.children():
+                layer.compile()
+    else:
+        raw.compile()
+
+
 def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "adamw", name: str | None = None,
           zero_stage: int | None = None, record_timeline: bool = False, recorder=None,
           weight_decay: float = 0.1, observer=None, checkpoints=None, checkpoint_every: int = 0) -> Run:
@@ -236,6 +252,8 @@ def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "ada
             fully_shard(block, mesh=group.device_mesh, mp_policy=mp)  # the mesh of this group, on its device
         model = fully_shard(raw, mesh=group.device_mesh, mp_policy=mp)
     raw.activation_checkpointing = getattr(args, "checkpointing", False)
+    if getattr(args, "compile", False):
+        compile_model(raw, wrapper)
     zero = dict(zero_stage=zero_stage or getattr(args, "zero_stage", 2), bucket_cap_mb=args.bucket_mb,
                 collectives="shm" if shm else getattr(args, "collectives", "auto"), group=group)
     if optimizer == "adamw":
@@ -269,6 +287,7 @@ def summarize(run: Run) -> dict:
     timed = trainer.history[WARMUP_STEPS:] or trainer.history
     step_s = statistics.median(h["time_s"] for h in timed)
     out = {"impl": run.name, "world_size": trainer.group.size, "grad_accum": trainer.grad_accum,
+           "compiled": any(getattr(m, "_compiled_call_impl", None) is not None for m in run.raw.modules()),
            "tokens_per_step": trainer.tokens_per_step, "median_step_s": step_s,
            "tokens_per_s": trainer.tokens_per_step / step_s, "losses": [round(h["loss"], 5) for h in trainer.history],
            "grad_norms": [h.get("grad_norm") for h in trainer.history],

@@ -227,7 +227,9 @@ class Trainer:
         self.run_id = self.group.broadcast_object(recorder.run_id if recorder is not None else new_run_id())
         self.history: list[dict] = []
         self._pending: list[dict] = []  # steps whose scalars are still on the device
-        self._flush_every = 1 if self.group.device.type != "cuda" else max(1, cfg.log_every)
+        # On a GPU the scalars of a step (loss, norm, timing events) are read every log_every steps (or every 20
+        # when nothing is logged): the host runs ahead of the device in between. On a CPU reading costs nothing.
+        self._flush_every = 1 if self.group.device.type != "cuda" else (cfg.log_every or 20)
         self._timer = _StepTimer(self.group.device)
         self._val_batches = None
         self._wandb, self._bar = None, None
@@ -323,7 +325,9 @@ class Trainer:
         # The global norm of the synchronised gradient, every step: it clips, and a NaN or inf anywhere shows in it.
         norm = self.sync.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip else math.inf)
         skipped = False
-        if cfg.nonfinite == "skip" and not torch.isfinite(norm).item():  # like GradScaler: one read per step
+        # "skip" must know before the update: one read per step, as torch's GradScaler does with a non-fused
+        # optimizer. The default, "stop", reads nothing here: the flush finds a non-finite row and stops the run.
+        if cfg.nonfinite == "skip" and not torch.isfinite(norm).item():
             skipped = True
             self.skipped_steps += 1
         else:

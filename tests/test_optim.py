@@ -4,6 +4,7 @@ One spawn per world size (1, 2, 3, 4) runs every distributed check and returns w
 tests below assert on it. Gradients are multiples of 1/64 in [-1, 1), so their sums are exact in any
 order: the averaged gradient is then bitwise the reference's, and the comparisons can be tight.
 """
+import contextlib
 import copy
 
 import pytest
@@ -62,11 +63,11 @@ def adamw_groups(ps):
             {"params": ps[3:6] + [ps[7]], "lr": 3e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)}]
 
 
-def check_adamw(rank, W, collectives, stage, bucket_mb, steps=20):
+def check_adamw(rank, W, collectives, stage, bucket_mb, steps=20, fused=None):
     shapes = ADAMW_SHAPES + [(4,), (5,)]
     ps, rs = make_params(shapes)
-    opt = DistAdamW(adamw_groups(ps), collectives=collectives, zero_stage=stage, bucket_cap_mb=bucket_mb)
-    ref = torch.optim.AdamW(adamw_groups(rs))
+    opt = DistAdamW(adamw_groups(ps), collectives=collectives, zero_stage=stage, bucket_cap_mb=bucket_mb, fused=fused)
+    ref = torch.optim.AdamW(adamw_groups(rs), fused=fused)
     for t in range(steps + 1):
         gs = grads_for(shapes, t, W)
         for q in range(W):
@@ -104,11 +105,11 @@ def muon_groups(ps):
             {"params": [ps[3]], "lr": 0.05, "weight_decay": 0.0, "nesterov": False, "adjust_lr_fn": "match_rms_adamw"}]
 
 
-def check_muon(rank, W, collectives, stage, steps=20):
+def check_muon(rank, W, collectives, stage, steps=20, batched=None):
     shapes = MUON_SHAPES + [(4, 4)]  # the last one never gets a gradient
     ps, rs = make_params(shapes, seed=2)
     few, few_ref = make_params([(6, 4), (4, 6)], seed=3)  # fewer matrices than ranks at W = 3, 4
-    opt = DistMuon(muon_groups(ps), collectives=collectives, zero_stage=stage)
+    opt = DistMuon(muon_groups(ps), collectives=collectives, zero_stage=stage, batched=batched)
     opt_few = DistMuon(few, lr=0.03, ns_steps=4, collectives=collectives, zero_stage=stage)
     ref, ref_few = torch.optim.Muon(muon_groups(rs)), torch.optim.Muon(few_ref, lr=0.03, ns_steps=4)
     for t in range(steps):
@@ -287,8 +288,10 @@ def run_all(rank, W):
                        "ring-stage1-small-buckets": ("ring", 1, 1e-4), "shm-stage2-small-buckets": ("shm", 2, 1e-4),
                        "shm-stage1": ("shm", 1, 25.0)}.items():
         out["adamw"][name] = check_adamw(rank, W, *args)
+    out["adamw"]["fused-ring-stage2"] = check_adamw(rank, W, "auto", 2, 1e-4, fused=True)  # vs torch's fused AdamW
     for name, args in {"ring-stage2": ("auto", 2), "torch-stage1": ("torch", 1), "shm-stage2": ("shm", 2)}.items():
         out["muon"][name] = check_muon(rank, W, *args)
+    out["muon_batched"] = check_muon(rank, W, "auto", 2, batched=True)
     out["combined_clip"] = check_combined_clip(rank, W)
     out["state_dict"] = check_state_dict(rank, W)
     out["gpt_state_bytes"] = check_gpt_state_bytes(rank, W)
@@ -329,7 +332,8 @@ def test_a_parameter_nobody_has_a_gradient_for_is_skipped_everywhere(runs):
 def test_stage2_consumes_the_gradients_and_stage1_leaves_the_averaged_ones(runs):
     W, outs = runs
     for out in outs:
-        assert not any(out["adamw"]["ring-stage2"]["grads_after_step"])
+        # A world of one steps straight from p.grad (no buffer, no copy) and leaves it, as torch's optimizers do.
+        assert out["adamw"]["ring-stage2"]["grads_after_step"] == ([True] * 6 + [False, True] if W == 1 else [False] * 8)
         # stage 1: every parameter somebody had a gradient for holds the averaged gradient; "never" stays None
         assert out["adamw"]["ring-stage1-small-buckets"]["grads_after_step"] == [True] * 6 + [False, True]
 
@@ -346,6 +350,9 @@ def test_dist_muon_equals_torch_muon(runs):
         for name, r in out["muon"].items():
             # Bitwise-equal averaged gradients give identical bf16 Newton-Schulz inputs.
             assert r["diff"] <= 1e-6, f"W={W} rank {rank} {name}: max |diff| {r['diff']:.3g}"
+        # Newton-Schulz batched over same-shape matrices (a GPU's default): the same up to a bf16 rounding in a
+        # few entries (a batched matrix multiply may round differently), so up to lr x 2^-8 per step.
+        assert out["muon_batched"]["diff"] <= 20 * 0.05 * 2**-8, (W, rank, out["muon_batched"]["diff"])
     owned = [out["muon"]["ring-stage2"]["few_owned_here"] for out in outs]
     assert sum(owned) == 2 and max(owned) == (2 if W == 1 else 1)  # two matrices: one each, other ranks idle
     momentum = [set(out["muon"]["ring-stage2"]["momentum_here"]) for out in outs]
@@ -463,6 +470,119 @@ def test_world_of_one_without_a_process_group(no_process_group):
         for o in (opt, ref, muon, ref_muon):
             o.step()
     assert opt.world_size == 1 and max_diff(ps, rs) == 0.0 and max_diff(ms, rms) == 0.0
+
+
+class HostReads:
+    """Make every way of reading a tensor's value on the host raise: on a GPU each of them waits for the device.
+    `allowed`: tensors that live on the host on a GPU too (AdamW's step counters, as in torch), whose reads cost
+    nothing."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, allowed=()):
+        self.allowed = {id(t) for t in allowed}
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def refuse(name):
+            original = self.saved[name]
+
+            def read(t, *args, **kwargs):
+                if id(t) in self.allowed:
+                    return original(t, *args, **kwargs)
+                raise AssertionError(f"a host read: Tensor.{name} on a tensor of shape {tuple(t.shape)}")
+            return read
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse(n))
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def steps_without_host_reads(rank, W):
+    """DistAdamW and the Muon/AdamW pair, clipping on, every rank with every gradient: after a first step (which
+    creates the state), steps read no tensor on the host -- on a GPU they never wait for it."""
+    torch.manual_seed(0)
+    out = {}
+    for name in ("adamw", "muon"):
+        model = GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16))
+        opt = DistAdamW(model.configure_param_groups(0.1), lr=1e-2) if name == "adamw" else make_muon_optimizer(model)
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+        for step in range(3):
+            counters = [st["step"] for st in opt.state.values() if "step" in st]  # made by the first step
+            with HostReads(counters) if step else contextlib.nullcontext():
+                _, loss = model(x, x)
+                loss.backward()
+                norm = opt.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+        out[name] = float(norm)
+    # The Trainer around it, with the flush (which reads the losses, norms and timings) held off as on a GPU:
+    # gradient accumulation, clipping, the scheduler and the update read nothing back either.
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16))
+    opt = make_muon_optimizer(model)
+    stream = TokenStream(torch.tensor(tok.encode(text)), batch_size=2, block_size=16, rank=rank, world_size=W, seed=0)
+    cfg = TrainConfig(steps=4, micro_batch=2, seq_len=16, total_batch_tokens=2 * 16 * W * 2, lr=3e-3, warmup_steps=1,
+                      progress=False, log_every=0, grad_clip=1.0)
+    trainer = Trainer(model, opt, stream, cfg)
+    trainer.fit(max_steps=1)  # creates the optimizer state
+    trainer._flush_every = 10**9
+    with HostReads([st["step"] for st in opt.state.values() if "step" in st]):
+        trainer.train_step()
+        trainer.train_step()
+    out["trainer_losses"] = [h["loss"] for h in trainer.fit()]  # the flush reads the held rows
+    return out
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_a_step_reads_nothing_back_from_the_device(W):
+    outs = [steps_without_host_reads(0, 1)] if W == 1 else spawn(steps_without_host_reads, W, timeout=120)
+    for out in outs:
+        assert out["adamw"] == outs[0]["adamw"] > 0 and out["muon"] == outs[0]["muon"] > 0  # one global norm
+        losses = out["trainer_losses"]  # this rank's own batches: every step logged, and training
+        assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_host_reads_are_caught():  # the test above would notice a read
+    with HostReads(), pytest.raises(AssertionError, match="a host read: Tensor.item"):
+        torch.ones(1).item()
+    with HostReads(), pytest.raises(AssertionError, match="Tensor.__bool__"):
+        bool(torch.ones(1) > 0)
+
+
+def test_a_world_of_one_updates_p_grad_in_place_with_no_buffers(no_process_group):
+    """W = 1 is the plain optimizer: no gradient hooks, no bucket buffers, the update reads p.grad itself."""
+    ps, rs = make_params(ADAMW_SHAPES)
+    opt, ref = DistAdamW(ps, lr=1e-2, zero_stage=2), torch.optim.AdamW(rs, lr=1e-2)
+    assert all(not p._post_accumulate_grad_hooks for p in ps if p._post_accumulate_grad_hooks is not None)
+    for t in range(3):
+        g = grads_for(ADAMW_SHAPES, t, 1)[0]
+        for p, r, gi in zip(ps, rs, g):
+            p.grad, r.grad = gi.clone(), gi.clone()
+        before = [p.grad.data_ptr() for p in ps]
+        opt.step()
+        ref.step()
+        assert [p.grad.data_ptr() for p in ps] == before  # not copied into a buffer, not freed
+    assert opt.gradient_buffers() == [] and all("shard" not in b.extra and "send" not in b.extra for b in opt._buckets)
+    assert max_diff(ps, rs) == 0.0
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (4, 6), (5, 5), (1, 7)])
+def test_batched_newton_schulz_equals_torch_matrix_by_matrix(shape):
+    from nanodist.optim.muon import newton_schulz_batched
+    g = torch.Generator().manual_seed(sum(shape))
+    stack = torch.randn(5, *shape, generator=g)
+    stack[2] = 0  # a zero matrix: the eps clamp, as in torch
+    batched = newton_schulz_batched(stack, ns_steps=5)
+    for k in range(5):  # equal, or a bf16 rounding apart where a batched multiply rounds differently
+        single = newton_schulz(stack[k], (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert batched[k].dtype == single.dtype == torch.bfloat16 and batched[k].shape == single.shape
+        assert (batched[k].float() - single.float()).abs().max() <= 2**-7, k
 
 
 def test_argument_errors():

@@ -91,7 +91,8 @@ def newton_schulz_singular_values(matrix: torch.Tensor, ns_steps: int = DEFAULT_
 
 
 DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=DEFAULT_NS_COEFFICIENTS,
-                eps=DEFAULT_EPS, ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None)  # torch.optim.Muon's
+                eps=DEFAULT_EPS, ns_steps=DEFAULT_NS_STEPS, adjust_lr_fn=None,  # torch.optim.Muon's
+                batched=None)  # ours: Newton-Schulz batched over same-shape matrices (None: on a GPU)
 
 
 def check(group: dict) -> None:
@@ -110,6 +111,8 @@ def check(group: dict) -> None:
                          f"efficiency), got {group['ns_steps']}")
     if len(group["ns_coefficients"]) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    if group.get("batched") not in (None, True, False):
+        raise ValueError(f"batched must be True, False or None (None: batched on a GPU), got {group['batched']!r}")
     group["ns_coefficients"] = tuple(group["ns_coefficients"])
 
 
@@ -135,16 +138,55 @@ def init_state(matrix: torch.Tensor) -> dict:
     return {"momentum_buffer": torch.zeros_like(matrix)}
 
 
+def newton_schulz_batched(grads: torch.Tensor, ns_coefficients=DEFAULT_NS_COEFFICIENTS,
+                          ns_steps: int = DEFAULT_NS_STEPS, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """newton_schulz on a stack of same-shape matrices (B, rows, cols) at once: the same operations, as batched
+    matrix multiplies -- ns_steps x 3 kernel launches for the whole stack instead of for every matrix. Each
+    matrix is scaled by its own norm, so every slice of the result is the one newton_schulz gives it."""
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if grads.dim() != 3:
+        raise ValueError(f"newton_schulz_batched needs a stack of matrices (B, rows, cols), got shape "
+                         f"{tuple(grads.shape)}")
+    a, b, c = ns_coefficients
+    tall = grads.size(1) > grads.size(2)
+    x = grads.bfloat16()
+    if tall:  # the wide orientation: the Gram matrices X X^T are the small ones
+        x = x.mT
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+        x = torch.baddbmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
+    return x.mT if tall else x
+
+
 def update(group: dict, items: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> None:
-    """torch.optim.Muon's update. items: (state, averaged gradient, parameter), whole matrices."""
+    """torch.optim.Muon's update. The matrices of one shape go through momentum and the parameter update
+    together (foreach kernels); Newton-Schulz runs batched over them (batched=True, the default on a GPU), or
+    matrix by matrix as torch.optim.Muon does -- the default on the CPU, where launches are cheap and it keeps
+    the result bitwise torch's (a batched bf16 matrix multiply may round differently from a single one, by a
+    bf16 ulp). items: (state, averaged gradient, parameter), whole matrices."""
     lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
-    for state, grad, param in items:
-        buf = state["momentum_buffer"]
-        buf.lerp_(grad, 1 - momentum)  # B = mu B + (1 - mu) g
-        step = grad.lerp(buf, momentum) if group["nesterov"] else buf
-        step = newton_schulz(step, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        param.mul_(1 - lr * weight_decay)
-        param.add_(step, alpha=-adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+    by_shape: dict[tuple, list] = {}
+    for item in items:
+        by_shape.setdefault((tuple(item[2].shape), item[2].dtype, item[2].device), []).append(item)
+    for (shape, _, _), same in by_shape.items():
+        states, grads, params = (list(x) for x in zip(*same))
+        bufs = [st["momentum_buffer"] for st in states]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)  # B = mu B + (1 - mu) g
+        steps = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        batched = group.get("batched")
+        if batched is None:
+            batched = params[0].is_cuda
+        if len(steps) == 1 or not batched:
+            ortho = [newton_schulz(step, group["ns_coefficients"], group["ns_steps"], group["eps"]) for step in steps]
+        else:
+            ortho = newton_schulz_batched(torch.stack(steps), group["ns_coefficients"], group["ns_steps"],
+                                          group["eps"]).unbind(0)
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_add_(params, list(ortho), alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape))
 
 
 # ----------------------------------------------------------------------------- pairing Muon with AdamW

@@ -121,7 +121,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.use_ring = collectives in ("ring", "shm") or (collectives == "auto" and self.backend == "gloo")
         self.collectives = collectives
         self.max_grad_norm: float | None = None
-        self.last_grad_norm: float | None = None
+        self._last_norm: torch.Tensor | None = None  # the global norm of the last clipped step, on the device
         self.recorded: list[dict] | None = None  # what record_next_step() kept of the last recorded step
         self._pipeline: PipelineRecorder | None = None
         self._engine: GradSync | None = None
@@ -183,6 +183,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._engine
         if self._engine is not None:
             self._engine.remove()
+            self._engine = None
         W = self.world_size
         self._params = params
         self._flat = [p.detach().view(-1) for p in params]  # flat views: the pieces are runs of these
@@ -231,8 +232,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._had_grad = [False] * len(params)
         self._reduced = False  # gradients reduced since the last step (by the hooks, or by hand)
         self._agreement = None  # (has_grad flags, clip coefficient) once clip_grad_norm_ has agreed
-        self._engine = GradSync(params, buckets, self._launch, self._finish, names=self._names,
-                                observer=getattr(self, "_observer", None))
+        if W > 1:  # a world of one has nothing to reduce: step() updates straight from p.grad (_step_alone)
+            self._engine = GradSync(params, buckets, self._launch, self._finish, names=self._names,
+                                    observer=getattr(self, "_observer", None))
         self._plan_key = key
         return self._engine
 
@@ -379,11 +381,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: backward only accumulates p.grad (micro-steps of gradient accumulation); True: the next
-        backward reduces (the Trainer turns it on for the last micro-step)."""
-        self._plan().enabled = bool(requires_gradient_sync)
+        backward reduces (the Trainer turns it on for the last micro-step). A world of one always just accumulates."""
+        engine = self._plan()
+        if engine is not None:
+            engine.enabled = bool(requires_gradient_sync)
 
     def _reduce_now(self) -> None:
         engine = self._plan()
+        if engine is None:  # a world of one: the gradients in p.grad are the averaged ones
+            return
         if engine.pending:  # a backward was interrupted (an exception) before it finished: start over
             engine.reset()
         if not self._reduced:
@@ -392,30 +398,55 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _small_device(self) -> torch.device:
         return self.group.comm_device
 
-    def _agree(self, clip_norm: float | None) -> tuple[list[bool], float | None, float | None]:
-        """One all-reduce: which parameters had a gradient on any rank, and (when clipping) the global norm."""
-        flags = [1.0 if h else 0.0 for h in self._had_grad]
-        agree = torch.tensor(flags + [0.0], dtype=torch.float64, device=self._small_device())
+    def _agree(self, clip_norm: float | None) -> tuple[list[bool], torch.Tensor | None, torch.Tensor | None]:
+        """Which parameters had a gradient on any rank, and (when clipping) the global norm and the clip coefficient.
+
+        One small all-reduce carries both, and nothing waits for the device: the norm and the coefficient stay
+        device tensors (the coefficient is applied by multiplying, as torch.nn.utils.clip_grad_norm_ does), and the
+        flags are read back only on a rank that lacked a gradient itself -- a rank that had every gradient knows
+        the answer already (every parameter had one somewhere). clip_norm=inf: the norm only, no coefficient."""
+        alone = self.world_size == 1
+        local = [p.grad is not None for p in self._params] if alone else list(self._had_grad)
+        sq = None
         if clip_norm is not None:
-            sq = torch.zeros((), dtype=torch.float64, device=agree.device)
-            for b in self._buckets:
-                mine = b.extra["shard"] if self.zero_stage == 2 else b.extra["send"][self.rank]
-                sq += torch.linalg.vector_norm(mine, dtype=torch.float64).to(agree.device) ** 2
-            agree[-1] = sq
-        shm = getattr(self, "_shm_agree", None)
-        if shm is not None:
-            shm.mine.copy_(agree)
-            dist.barrier(group=self.group.pg)  # every row written; no closing barrier: see _attach_shared_memory
-            agree = shm.rows[:self.world_size].sum(0)
-        elif self.world_size > 1:
-            dist.all_reduce(agree, group=self.group.pg)
-        values = agree.tolist()
-        norm = coef = None
-        if clip_norm is not None:
-            norm = math.sqrt(values[-1])
-            coef = min(1.0, clip_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
-            coef = None if coef == 1.0 else coef
-        return [v > 0 for v in values[:-1]], norm, coef
+            if alone:
+                mine = [p.grad for p in self._params if p.grad is not None]
+            else:
+                mine = [b.extra["shard"] if self.zero_stage == 2 else b.extra["send"][self.rank] for b in self._buckets]
+            device = mine[0].device if mine else self._small_device()
+            norms = [torch.linalg.vector_norm(t, dtype=torch.float64).to(device) for t in mine]
+            sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=device)
+        has_grad, total = local, sq
+        if not alone:
+            device = self._small_device()
+            host = torch.tensor([1.0 if h else 0.0 for h in local] + [0.0], dtype=torch.float64,
+                                pin_memory=device.type == "cuda")
+            agree = host.to(device, non_blocking=True)
+            if sq is not None:
+                agree[-1] = sq.to(device)
+            shm = getattr(self, "_shm_agree", None)
+            if shm is not None:
+                shm.mine.copy_(agree)
+                dist.barrier(group=self.group.pg)  # every row written; no closing barrier: see _attach_shared_memory
+                agree = shm.rows[:self.world_size].sum(0)
+            else:
+                dist.all_reduce(agree, group=self.group.pg)
+            total = agree[-1]
+            if not all(local):  # only here does a step read a device value before the update
+                has_grad = [v > 0 for v in agree[:-1].tolist()]
+        if clip_norm is None:
+            return has_grad, None, None
+        norm = total.sqrt()
+        coef = None
+        if math.isfinite(clip_norm):  # torch.nn.utils.clip_grad_norm_'s formula, without reading the norm
+            coef = torch.clamp(clip_norm / (norm + 1e-6), max=1.0)
+        return has_grad, norm, coef
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global norm of the averaged gradient at the last clip_grad_norm_ (or clipped step), as a float:
+        reading it waits for the device, so read it when logging."""
+        return None if self._last_norm is None else float(self._last_norm)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -424,8 +455,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reduce_now()
         has_grad, norm, coef = self._agree(float(max_norm))
         self._agreement = (has_grad, coef)
-        self.last_grad_norm = norm
-        return torch.tensor(norm)
+        self._last_norm = norm
+        return norm
 
     # ----------------------------------------------------------------------------- the step
 
@@ -441,9 +472,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             clip = self.max_grad_norm if self.max_grad_norm is not None and self.max_grad_norm > 0 else None
             has_grad, norm, coef = self._agree(clip)
             if clip is not None:
-                self.last_grad_norm = norm
+                self._last_norm = norm
         else:
             has_grad, coef = self._agreement
+        if self.world_size == 1:
+            self._step_alone(has_grad, coef)
+            return loss
         gathers = []
         for b in self._buckets:
             gathers.append(self._update_bucket(b, has_grad, coef))
@@ -455,6 +489,39 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.recorded, self._pipeline = self._pipeline.finished(self._params), None
         self._consumed()
         return loss
+
+    def _step_alone(self, has_grad: list[bool], coef: torch.Tensor | None) -> None:
+        """A world of one: the plain optimizer. Each kind's update runs on p.grad and p themselves -- no buffer, no
+        copy -- and p.grad stays (it is the whole averaged gradient; zero_grad() frees it, as with torch's)."""
+        grads = [p.grad if h else None for p, h in zip(self._params, has_grad)]
+        for i, g in enumerate(grads):
+            if g is not None and g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, and {self._names[i]} "
+                                   f"has one (nn.Embedding(sparse=True)): use sparse=False")
+        if self._pipeline is not None:
+            self._pipeline.packed(range(len(grads)), grads)
+        present = [g for g in grads if g is not None]
+        if coef is not None and present:
+            torch._foreach_mul_(present, coef.to(present[0].device))
+        by_group: dict[int, list] = {}
+        for j, g in enumerate(grads):
+            if g is None or j not in self._local_by_param:
+                continue  # no gradient, or an empty parameter (no piece: nothing to update)
+            p, group = self._params[j], self._group_of[j]
+            state = self.state[p]
+            if not state:
+                state.update(self._init_state(p, self.param_groups[group]["kind"]))
+            if self.param_groups[group]["kind"] == "muon":
+                by_group.setdefault(group, []).append((state, g, p.detach()))
+            else:
+                by_group.setdefault(group, []).append((state, g.reshape(-1), self._flat[j]))
+            if self._pipeline is not None:
+                self._pipeline.reduced(self._local_by_param[j][0], g)
+        for group, items in by_group.items():
+            KINDS[self.param_groups[group]["kind"]].update(self.param_groups[group], items)
+        if self._pipeline is not None:
+            self.recorded, self._pipeline = self._pipeline.finished(self._params), None
+        self._consumed()
 
     def _update_bucket(self, b: Bucket, has_grad: list[bool], coef: float | None) -> Work | None:
         if self.zero_stage == 1:
@@ -577,7 +644,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad, and the reduced gradients not yet stepped are dropped too."""
         super().zero_grad(set_to_none=set_to_none)
-        if self._engine is not None:
+        if self._plan_key is not None:
             if self._reduced:
                 for b in self._buckets:
                     if "shard" in b.extra:
@@ -594,8 +661,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pipeline = PipelineRecorder(self._names, self._params, self.rank, self.world_size)
 
     def observe(self, observer) -> None:
-        """Attach a nanodist.sync.Observer (e.g. BucketTimeline) to the gradient hooks; None detaches it."""
-        self._plan().observer = observer
+        """Attach a nanodist.sync.Observer (e.g. BucketTimeline) to the gradient hooks; None detaches it. (A world of
+        one has no hooks: nothing travels.)"""
+        engine = self._plan()
+        if engine is not None:
+            engine.observer = observer
         self._observer = observer
 
     def gradient_buffers(self) -> list[torch.Tensor]:
@@ -738,14 +808,16 @@ class PipelineRecorder:
 class DistAdamW(ShardedOptimizer):
     """AdamW with optimizer state (and, at zero_stage=2, the averaged gradient) sharded over the ranks.
 
-    Arguments as torch.optim.AdamW (lr, betas, eps, weight_decay; param groups may override them), plus
-    group, and zero_stage / bucket_cap_mb / collectives (see ShardedOptimizer).
+    Arguments as torch.optim.AdamW (lr, betas, eps, weight_decay, fused; param groups may override them), plus
+    group, and zero_stage / bucket_cap_mb / collectives (see ShardedOptimizer). fused=None (the default) uses
+    torch's fused AdamW kernel for parameters on a GPU and the foreach kernels on the CPU.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, group=None, *, zero_stage: int = 2, bucket_cap_mb: float = 25.0,
-                 collectives: str = "auto"):
-        super().__init__(params, kind="adamw", adamw=dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+                 weight_decay: float = 0.01, group=None, *, fused: bool | None = None, zero_stage: int = 2,
+                 bucket_cap_mb: float = 25.0, collectives: str = "auto"):
+        super().__init__(params, kind="adamw",
+                         adamw=dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused),
                          group=group, zero_stage=zero_stage, bucket_cap_mb=bucket_cap_mb, collectives=collectives)
 
 
@@ -753,18 +825,19 @@ class DistMuon(ShardedOptimizer):
     """torch.optim.Muon, with whole matrices distributed over the ranks and gradients averaged in backward.
 
     Same arguments and defaults as torch.optim.Muon, plus group and zero_stage / bucket_cap_mb / collectives
-    (see ShardedOptimizer). Only 2-D parameters: give the others to an "adamw" group (make_muon_optimizer).
+    (see ShardedOptimizer), and batched: Newton-Schulz over all same-shape matrices at once (None, the default:
+    on a GPU; see optim/muon.py's update). Only 2-D parameters: give the others to an "adamw" group (make_muon_optimizer).
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = _muon.DEFAULT_NS_COEFFICIENTS,
                  eps: float = _muon.DEFAULT_EPS, ns_steps: int = _muon.DEFAULT_NS_STEPS,
-                 adjust_lr_fn: str | None = None, group=None, *, zero_stage: int = 2, bucket_cap_mb: float = 25.0,
-                 collectives: str = "auto"):
+                 adjust_lr_fn: str | None = None, group=None, *, batched: bool | None = None, zero_stage: int = 2,
+                 bucket_cap_mb: float = 25.0, collectives: str = "auto"):
         super().__init__(params, kind="muon",
                          muon=dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                    ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                                   adjust_lr_fn=adjust_lr_fn),
+                                   adjust_lr_fn=adjust_lr_fn, batched=batched),
                          group=group, zero_stage=zero_stage, bucket_cap_mb=bucket_cap_mb, collectives=collectives)
 
 

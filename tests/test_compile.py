@@ -1,0 +1,43 @@
+"""--compile, the flag every training lab shares: the model's computation goes through torch.compile and trains as
+the eager model does (the same losses up to the reordering a compiler may do), its parameter names unchanged."""
+import argparse
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanodist import experiment
+from nanodist.group import Group
+
+SMALL = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--steps", "6", "--no-progress"]
+
+
+def train(extra: list[str], wrapper: str = "single", optimizer: str = "adamw"):
+    parser = argparse.ArgumentParser()
+    experiment.add_arguments(parser)
+    args = parser.parse_args(SMALL + extra)
+    data = experiment.load_data(args)
+    run = experiment.build(args, data, Group.world(), wrapper=wrapper, optimizer=optimizer)
+    run.trainer.fit(max_steps=args.steps)
+    return run, experiment.summarize(run)
+
+
+def test_a_compiled_model_trains_as_the_eager_one(results_dir):
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is active in this test process")
+    eager_run, eager = train([])
+    compiled_run, compiled = train(["--compile"])
+    assert not eager["compiled"] and compiled["compiled"]
+    assert compiled_run.raw._compiled_call_impl is not None  # the forward runs the compiled code
+    assert list(compiled_run.raw.state_dict()) == list(eager_run.raw.state_dict())  # no "_orig_mod." prefix
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    assert compiled["losses"][-1] < compiled["losses"][0]
+
+
+def test_under_fsdp_the_layers_inside_each_unit_are_compiled():
+    from nanodist.model import GPT, GPTConfig
+    raw = GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16))
+    experiment.compile_model(raw, "fsdp")
+    assert all(block._compiled_call_impl is None for block in raw.blocks)  # the unit's own hooks stay eager
+    assert all(layer._compiled_call_impl is not None for block in raw.blocks for layer in block.children())
+    assert raw._compiled_call_impl is None
