@@ -1,8 +1,10 @@
-"""Lab 4 — ZeRO: DDP + AdamW against DistAdamW (sharded AdamW) and DistMuon, step time, loss and memory per rank.
+"""Lab 4 — ZeRO: DDP + AdamW against DistAdamW (sharded AdamW), DistMuon against DDP + torch's Muon: step time,
+optimizer-step time, loss and memory per rank.
 
     torchrun --nproc_per_node=2 labs/lab04_zero.py                    # all three, taking turns step by step
     torchrun --nproc_per_node=2 labs/lab04_zero.py --opt dist-adamw --zero-stage 1
     python labs/lab04_zero.py --opt dist-muon                         # a world of one works too
+    python labs/lab04_zero.py --opt dist-muon ddp-muon                # DistMuon against torch's Muon
     torchrun --nproc_per_node=4 labs/lab04_zero.py --memory-only --steps 2     # memory at stages 0, 1, 2
     torchrun --nproc_per_node=3 labs/lab04_zero.py --memory-only --record-pipeline --steps 1
 
@@ -11,13 +13,16 @@ with --opt all they take turns, one step each, so that load from elsewhere on th
   ddp-adamw   nanodist.DDP + torch.optim.AdamW: gradients all-reduced in backward, state replicated (stage 0)
   dist-adamw  bare model + DistAdamW: reduce-scatter in backward, update this rank's slice, all-gather (stage 2)
   dist-muon   bare model + one optimizer with Muon for hidden matrices and AdamW for the rest
+  ddp-muon    nanodist.DDP + torch.optim.Muon for the same matrices and torch.optim.AdamW for the rest (MuonAdamW)
 Both kinds of run move their gradients the same way (--shared-memory: through shared memory on CPU ranks
 of one machine, else the process group), so the step-time ratio compares the algorithms.
 
 After training, each one takes one more step and measures, on every rank, the bytes of parameters,
 gradients and optimizer state (nanodist.memory.measure_memory, right after optimizer.step()). The lab
-prints step time, loss and memory for each, the two ratios between DistAdamW and DDP + AdamW, and
-writes everything to labs/results/lab04_zero/.
+prints step time, optimizer-step time (the update alone, all-gather included), loss and memory for each;
+the ratios between DistAdamW and DDP + AdamW (step time, optimizer-state bytes) and between DistMuon and
+DDP + torch's Muon (optimizer-step time); and writes everything to labs/results/lab04_zero/. On a GPU,
+AdamW is torch's fused kernel everywhere (DistAdamW's too).
 
 --memory-only skips the timed comparison and measures memory at every ZeRO stage instead, through the
 process group (a shared-memory transport's buffers are not part of the algorithm's memory): DDP + AdamW
@@ -39,14 +44,16 @@ from nanodist.memory import zero_memory_bytes
 from nanodist.optim import DistAdamW, make_muon_optimizer
 from nanodist.results import Recorder
 
-OPTS = {"ddp-adamw": ("nanodist", "adamw"), "dist-adamw": ("none", "dist-adamw"), "dist-muon": ("none", "dist-muon")}
+OPTS = {"ddp-adamw": ("nanodist", "adamw"), "dist-adamw": ("none", "dist-adamw"), "dist-muon": ("none", "dist-muon"),
+        "ddp-muon": ("nanodist", "muon")}
 MEMORY_RUNS = (("ddp-adamw", 0, "DDP + AdamW"), ("dist-adamw", 1, "DistAdamW"), ("dist-adamw", 2, "DistAdamW"),
                ("dist-muon", 1, "DistMuon + DistAdamW"), ("dist-muon", 2, "DistMuon + DistAdamW"))
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--opt", choices=list(OPTS) + ["all"], default="all", help="which optimizer to train (all: each in turn)")
+    p.add_argument("--opt", choices=list(OPTS) + ["all"], nargs="+", default=["all"],
+                   help="which optimizers to train, taking turns (all: every one)")
     p.add_argument("--muon-lr", type=float, default=0.02, help="Muon learning rate (hidden matrices)")
     p.add_argument("--zero-stage", type=int, choices=[1, 2], default=2, help="for DistAdamW and DistMuon")
     p.add_argument("--collectives", choices=["auto", "ring", "torch"], default="auto",
@@ -124,7 +131,7 @@ def main():
     info = experiment.start(parser, args, min_steps=1 if args.memory_only else experiment.WARMUP_STEPS + 1,
                             extra_check=positive_muon_lr)
     group, data = info.group, experiment.load_data(args)
-    opts = list(OPTS) if args.opt == "all" else [args.opt]
+    opts = list(OPTS) if "all" in args.opt else list(dict.fromkeys(args.opt))
     rec = Recorder("lab04_zero", config=vars(args))
     if args.record_pipeline:
         pipeline = rec.metrics["pipeline"] = record_pipeline(args, data, group)
@@ -163,7 +170,8 @@ def main():
     mib = lambda b: b / 2**20  # noqa: E731
     for name, r in results.items():
         worst = max(r["memory"], key=lambda m: m["total"])
-        nd.print0(f"{name:>10}: step {1e3 * r['median_step_s']:7.2f} ms  {experiment.use_line(r)}  "
+        nd.print0(f"{name:>10}: step {1e3 * r['median_step_s']:7.2f} ms  optimizer step "
+                  f"{1e3 * r['median_optimizer_step_s']:6.2f} ms  {experiment.use_line(r)}  "
                   f"loss {r['losses'][0]:.3f} -> "
                   f"{r['losses'][-1]:.3f}  per rank (max): params {mib(worst['params']):.2f} MiB  grads "
                   f"{mib(worst['grads']):.2f} MiB  optimizer state {mib(worst['optimizer_state']):.2f} MiB")
@@ -178,6 +186,10 @@ def main():
         nd.print0(f"ratio DistAdamW/DDP+AdamW step time: {metrics['ratio_step_time_dist_adamw_vs_ddp_adamw']:.2f}")
         nd.print0(f"ratio optimizer-state bytes per rank DistAdamW/AdamW: "
                   f"{metrics['ratio_optimizer_state_dist_adamw_vs_adamw']:.2f}")
+    if "dist-muon" in results and "ddp-muon" in results:
+        ratio = results["dist-muon"]["median_optimizer_step_s"] / results["ddp-muon"]["median_optimizer_step_s"]
+        metrics["ratio_optimizer_step_dist_muon_vs_torch_muon"] = ratio
+        nd.print0(f"ratio DistMuon/torch Muon optimizer step time (both with AdamW for the rest): {ratio:.2f}")
     rec.metrics.update(metrics)
     nd.print0(f"wrote {rec.save()}")
     nd.shutdown()

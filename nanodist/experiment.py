@@ -36,11 +36,11 @@ from .fsdp import FSDP
 from .group import Group
 from .memory import measure_memory, tensor_bytes
 from .model import GPT, PRESETS, GPTConfig
-from .optim import DistAdamW, make_muon_optimizer
+from .optim import DistAdamW, MuonAdamW, make_muon_optimizer
 from .train import TrainConfig, Trainer, autocast, grad_accum_steps
 
 WRAPPERS = ("single", "nanodist", "nanodist-pg", "torch", "naive", "none", "fsdp", "fsdp2")
-OPTIMIZERS = ("adamw", "dist-adamw", "dist-muon")
+OPTIMIZERS = ("adamw", "muon", "dist-adamw", "dist-muon")  # muon: torch's Muon + AdamW (MuonAdamW)
 WARMUP_STEPS = 3  # excluded from step times: the first steps pay for allocation and thread start-up
 
 
@@ -222,9 +222,10 @@ def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "ada
     if wrapper not in WRAPPERS or optimizer not in OPTIMIZERS:
         raise ValueError(f"wrapper must be one of {WRAPPERS} and optimizer one of {OPTIMIZERS}, got {wrapper!r}, "
                          f"{optimizer!r}")
-    if (wrapper == "none") != optimizer.startswith("dist-"):  # (and FSDP shards the parameters: AdamW steps them)
+    if (wrapper == "none") != optimizer.startswith("dist-") or (optimizer == "muon" and wrapper.startswith("fsdp")):
         raise ValueError(f"wrapper='none' (the bare model) goes with a sharded optimizer ('dist-adamw', 'dist-muon'), "
-                         f"which averages the gradients itself, and every other wrapper with 'adamw'; got "
+                         f"which averages the gradients itself, and every other wrapper with 'adamw' (or, but for "
+                         f"FSDP, whose flat shards are no matrices, 'muon'); got "
                          f"wrapper={wrapper!r} with optimizer={optimizer!r}")
     group = Group.local(group.device) if wrapper == "single" else group
     name = name or wrapper
@@ -258,7 +259,11 @@ def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "ada
                 collectives="shm" if shm else getattr(args, "collectives", "auto"), group=group)
     if optimizer == "adamw":
         groups = (model if wrapper == "fsdp" else raw).configure_param_groups(weight_decay)
-        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+        fused = group.device.type == "cuda" or None  # torch's fused kernel on a GPU, as the GPU baselines use
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused)
+    elif optimizer == "muon":
+        opt = MuonAdamW(raw, lr=args.lr, muon_lr=getattr(args, "muon_lr", 0.02), weight_decay=weight_decay,
+                        betas=(0.9, 0.95))
     elif optimizer == "dist-adamw":
         opt = DistAdamW(raw.configure_param_groups(weight_decay), lr=args.lr, betas=(0.9, 0.95), **zero)
     else:
@@ -289,7 +294,8 @@ def summarize(run: Run) -> dict:
     out = {"impl": run.name, "world_size": trainer.group.size, "grad_accum": trainer.grad_accum,
            "compiled": any(getattr(m, "_compiled_call_impl", None) is not None for m in run.raw.modules()),
            "tokens_per_step": trainer.tokens_per_step, "median_step_s": step_s,
-           "tokens_per_s": trainer.tokens_per_step / step_s, "losses": [round(h["loss"], 5) for h in trainer.history],
+           "tokens_per_s": trainer.tokens_per_step / step_s,
+           "median_optimizer_step_s": statistics.median(h["optimizer_s"] for h in timed), "losses": [round(h["loss"], 5) for h in trainer.history],
            "grad_norms": [h.get("grad_norm") for h in trainer.history],
            "val_loss": trainer.history[-1].get("val_loss") if trainer.history else None,
            "params": num_params(run)}

@@ -325,6 +325,7 @@ class Trainer:
         # The global norm of the synchronised gradient, every step: it clips, and a NaN or inf anywhere shows in it.
         norm = self.sync.clip_grad_norm_(cfg.grad_clip if cfg.grad_clip else math.inf)
         skipped = False
+        opt_start = self._timer.start()
         # "skip" must know before the update: one read per step, as torch's GradScaler does with a non-fused
         # optimizer. The default, "stop", reads nothing here: the flush finds a non-finite row and stops the run.
         if cfg.nonfinite == "skip" and not torch.isfinite(norm).item():
@@ -332,13 +333,14 @@ class Trainer:
             self.skipped_steps += 1
         else:
             self.optimizer.step()
+        opt_end = self._timer.start()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         end = self._timer.start()
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        row = {"step": step, "start": start, "end": end, "loss": loss_sum / self.grad_accum, "lr": lr,
-               "grad_norm": norm.detach(), "skipped": skipped}
+        row = {"step": step, "start": start, "end": end, "opt_start": opt_start, "opt_end": opt_end,
+               "loss": loss_sum / self.grad_accum, "lr": lr, "grad_norm": norm.detach(), "skipped": skipped}
         self._pending.append(row)
         return row
 
@@ -352,6 +354,7 @@ class Trainer:
             check()
         for row in rows:
             row["time_s"] = self._timer.seconds(row.pop("start"), row.pop("end"))
+            row["optimizer_s"] = self._timer.seconds(row.pop("opt_start"), row.pop("opt_end"))  # the update alone
             row["tokens_per_s"] = self.tokens_per_step / row["time_s"] if row["time_s"] > 0 else float("inf")
             row["loss"], row["grad_norm"] = float(row["loss"]), float(row["grad_norm"])
             if row.pop("skipped"):

@@ -1,4 +1,4 @@
-"""Lab 4 end to end at a tiny size: three optimizers, two gloo ranks, one results record; and its --memory-only
+"""Lab 4 end to end at a tiny size: four optimizers, two gloo ranks, one results record; and its --memory-only
 and --record-pipeline modes on three ranks (uneven slices), checked value by value."""
 import pytest
 import torch
@@ -8,7 +8,7 @@ import nanodist as nd
 pytestmark = pytest.mark.dist
 
 
-def test_lab04_trains_three_optimizers_and_records_memory(tmp_path):
+def test_lab04_trains_four_optimizers_and_records_memory(tmp_path):
     run = nd.launch("lab04_zero", nproc=2, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
                     args=["--model", "tiny", "--steps", "5", "--micro-batch", "4", "--seq-len", "16", "--no-progress"])
     assert list(tmp_path.glob("lab04_zero/*.jsonl"))  # written where we asked
@@ -16,12 +16,16 @@ def test_lab04_trains_three_optimizers_and_records_memory(tmp_path):
     assert rec["lab"] == "lab04_zero" and rec["world_size"] == 2 and rec["backend"] == "gloo"
     m = rec["metrics"]
     opts = m["opts"]
-    assert set(opts) == {"ddp-adamw", "dist-adamw", "dist-muon"}
+    assert set(opts) == {"ddp-adamw", "dist-adamw", "dist-muon", "ddp-muon"}
     for r in opts.values():
         assert len(r["losses"]) == 5 and r["median_step_s"] > 0 and r["val_loss"] is not None
+        assert 0 < r["median_optimizer_step_s"] < r["median_step_s"]  # the update is part of the step
         assert len(r["memory"]) == 2  # one report per rank
-    # Same initial weights and data: DistAdamW follows DDP + AdamW step for step.
+    # Same initial weights and data: DistAdamW follows DDP + AdamW step for step, DistMuon DDP + torch's Muon.
     assert opts["dist-adamw"]["losses"] == pytest.approx(opts["ddp-adamw"]["losses"], rel=1e-4)
+    assert opts["dist-muon"]["losses"] == pytest.approx(opts["ddp-muon"]["losses"], rel=1e-4)
+    assert m["ratio_optimizer_step_dist_muon_vs_torch_muon"] == pytest.approx(
+        opts["dist-muon"]["median_optimizer_step_s"] / opts["ddp-muon"]["median_optimizer_step_s"])
     n = opts["ddp-adamw"]["params"]
     for mem in opts["ddp-adamw"]["memory"]:  # stage 0: everything replicated
         assert mem["params"] == mem["grads"] == 4 * n
@@ -35,6 +39,7 @@ def test_lab04_trains_three_optimizers_and_records_memory(tmp_path):
     out = run.output
     assert "ratio DistAdamW/DDP+AdamW step time:" in out
     assert "ratio optimizer-state bytes per rank DistAdamW/AdamW:" in out
+    assert "ratio DistMuon/torch Muon optimizer step time (both with AdamW for the rest):" in out
     assert "target" not in out  # the issue tracker's targets are not the reader's business
     assert len(rec["steps"]) == 5
 

@@ -585,6 +585,35 @@ def test_batched_newton_schulz_equals_torch_matrix_by_matrix(shape):
         assert (batched[k].float() - single.float()).abs().max() <= 2**-7, k
 
 
+def test_muon_adamw_is_torchs_muon_and_adamw_as_one_optimizer(no_process_group):
+    """The reference DistMuon is measured against: the same split as make_muon_optimizer, torch's own updates, one
+    set of param groups (an LR scheduler reaches both) and one state mapping."""
+    from nanodist.optim import MuonAdamW
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16))
+    ref = copy.deepcopy(model)
+    opt = MuonAdamW(model, lr=1e-2, muon_lr=0.02)
+    muon, adamw = split_params_for_muon(ref)
+    ref_adamw = torch.optim.AdamW([{"params": [p for _, p in adamw if p.ndim >= 2], "weight_decay": 0.1},
+                                   {"params": [p for _, p in adamw if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.95))
+    ref_muon = torch.optim.Muon([p for _, p in muon], lr=0.02, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)  # halves every group's lr
+    for o in (ref_adamw, ref_muon):
+        for g in o.param_groups:
+            g["lr"] *= 0.5
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for m, step in ((model, opt.step), (ref, lambda: (ref_adamw.step(), ref_muon.step()))):
+            m(x, x)[1].backward()
+            step()
+            m.zero_grad()
+    assert max_diff(list(model.parameters()), list(ref.parameters())) == 0.0
+    assert [g["lr"] for g in opt.param_groups] == [5e-3, 5e-3, 0.01]
+    assert len(opt.state) == len(list(model.parameters())) and sched.last_epoch == 0
+    assert opt.adamw.state is opt.state and opt.muon.state is opt.state
+
+
 def test_argument_errors():
     p = torch.nn.Parameter(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="zero_stage must be 1 or 2"):

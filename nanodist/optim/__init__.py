@@ -10,7 +10,7 @@
     muon.py     Muon's update on whole matrices, Newton-Schulz, the deal of matrices to ranks
 """
 from .muon import newton_schulz, newton_schulz_singular_values, split_params_for_muon
-from .sharded import DistAdamW, DistMuon, Piece, ShardedOptimizer, make_muon_optimizer
+from .sharded import DistAdamW, DistMuon, MuonAdamW, Piece, ShardedOptimizer, make_muon_optimizer
 
-__all__ = ["DistAdamW", "DistMuon", "ShardedOptimizer", "Piece", "split_params_for_muon", "make_muon_optimizer",
+__all__ = ["DistAdamW", "DistMuon", "MuonAdamW", "ShardedOptimizer", "Piece", "split_params_for_muon", "make_muon_optimizer",
            "newton_schulz", "newton_schulz_singular_values"]

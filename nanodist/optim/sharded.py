@@ -841,6 +841,49 @@ class DistMuon(ShardedOptimizer):
                          group=group, zero_stage=zero_stage, bucket_cap_mb=bucket_cap_mb, collectives=collectives)
 
 
+def _muon_adamw_groups(model: nn.Module, weight_decay: float, exclude: tuple[str, ...]):
+    """(muon, adamw groups): the hidden matrices for Muon; the rest as AdamW groups with weight decay on the
+    matrices (embeddings, the output layer) and none on 1-D parameters."""
+    muon, adamw = _muon.split_params_for_muon(model, exclude)
+    decay = [(n, p) for n, p in adamw if p.ndim >= 2]
+    no_decay = [(n, p) for n, p in adamw if p.ndim < 2]
+    groups = [{"params": [p for _, p in ps], "param_names": [n for n, _ in ps], "weight_decay": wd}
+              for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+    return muon, groups
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon on the hidden matrices and torch.optim.AdamW on the rest, stepped as one optimizer: the
+    unsharded reference DistMuon is measured against (lab 4). The same split and hyperparameters as
+    make_muon_optimizer; AdamW is torch's fused kernel on a GPU. The two share their param-group dicts and one
+    state mapping with this object, so an LR scheduler, zero_grad() and state_dict() see everything."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 0.02, weight_decay: float = 0.1,
+                 muon_weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.95,
+                 exclude: tuple[str, ...] = ("lm_head",)):
+        muon, groups = _muon_adamw_groups(model, weight_decay, exclude)
+        fused = any(p.is_cuda for g in groups for p in g["params"])
+        self.adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
+        self.muon = torch.optim.Muon([{"params": [p for _, p in muon], "param_names": [n for n, _ in muon]}],
+                                     lr=muon_lr, weight_decay=muon_weight_decay, momentum=momentum) if muon else None
+        inner = self.adamw.param_groups + (self.muon.param_groups if self.muon else [])
+        super().__init__(inner, {})  # torch keeps the very dicts it is given: one set of groups for all three
+        self.adamw.state = self.state
+        if self.muon is not None:
+            self.muon.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.adamw.step()
+        if self.muon is not None:
+            self.muon.step()
+        return loss
+
+
 def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 0.02, weight_decay: float = 0.1,
                         muon_weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
                         momentum: float = 0.95, exclude: tuple[str, ...] = ("lm_head",), group=None,
@@ -851,11 +894,9 @@ def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 
         raise ValueError("make_muon_optimizer: Muon orthogonalises whole matrices, and nanodist.FSDP keeps only a flat "
                          "slice of each on every rank. Use AdamW (or DistAdamW's element-wise update) with FSDP, or "
                          "DistMuon with a replicated model (DDP, ZeRO-1/2): chapter 5 explains why.")
-    muon, adamw = _muon.split_params_for_muon(model, exclude)
-    decay = [(n, p) for n, p in adamw if p.ndim >= 2]
-    no_decay = [(n, p) for n, p in adamw if p.ndim < 2]
-    groups = [{"params": [p for _, p in ps], "param_names": [n for n, _ in ps], "weight_decay": wd, "kind": "adamw"}
-              for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+    muon, groups = _muon_adamw_groups(model, weight_decay, exclude)
+    for g in groups:
+        g["kind"] = "adamw"
     if muon:
         groups.append({"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "kind": "muon"})
     return ShardedOptimizer(groups, kind="adamw", adamw=dict(lr=lr, betas=betas),
