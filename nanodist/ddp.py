@@ -208,6 +208,8 @@ class DDP(_SyncBase):
 
         def count_step(optimizer, args, kwargs):
             ddp = me()
+            if getattr(optimizer, "nanodist_inner", False):  # a half of MuonAdamW: the container's step counts
+                return
             if ddp is not None and any(id(p) in ids for g in optimizer.param_groups for p in g["params"][:1]):
                 ddp.optimizer_steps += 1
 

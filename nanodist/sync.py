@@ -70,10 +70,39 @@ DONE = Work()  # the handle of a reduction that has already finished
 
 # ----------------------------------------------------------------------------- collectives
 
+class _CopyBack(Work):
+    """A collective run on staged copies (see _staging): wait() also copies the result back where it belongs."""
+
+    def __init__(self, work, dst: torch.Tensor, src: torch.Tensor, *keep: torch.Tensor):
+        super().__init__(work, src, *keep)
+        self.dst, self.src = dst, src
+
+    def wait(self) -> bool:
+        super().wait()
+        if self.dst is not None:
+            self.dst.copy_(self.src)
+            self.dst = self.src = None
+        return True
+
+    def future(self):
+        return None  # the result is not in place until wait() has copied it back
+
+
+def _staging(group: Group, *tensors: torch.Tensor) -> torch.device | None:
+    """Where to copy tensors the backend cannot move: the group's comm_device (the CPU for gloo) when a tensor is
+    elsewhere (ranks sharing a GPU through gloo, whose point-to-point calls cannot read GPU memory); else None."""
+    device = group.comm_device
+    return device if any(t.device != device for t in tensors) else None
+
+
 def all_reduce_sum(buffer: torch.Tensor, group: Group) -> Work:
     """Sum `buffer` over the group, in place, asynchronously."""
     if group.size == 1:
         return DONE
+    staged = _staging(group, buffer)
+    if staged is not None:
+        copy = buffer.to(staged)
+        return _CopyBack(dist.all_reduce(copy, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), buffer, copy)
     return Work(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), buffer)
 
 
@@ -82,6 +111,11 @@ def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Group, ring:
     if group.size == 1:
         out.copy_(inp[0])
         return DONE
+    staged = _staging(group, out, inp)
+    if staged is not None:
+        copy = torch.empty(out.shape, dtype=out.dtype, device=staged)
+        work = reduce_scatter_sum(copy, inp.to(staged), group, ring)
+        return _CopyBack(work, out, copy)
     if ring:
         ring_reduce_scatter(out, inp, group=group, check=False)  # shapes hold by construction
         return DONE
@@ -94,6 +128,11 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool) -
     if group.size == 1:
         out[0].copy_(inp)
         return DONE
+    staged = _staging(group, out, inp)
+    if staged is not None:
+        copy = torch.empty(out.shape, dtype=out.dtype, device=staged)
+        work = all_gather(copy, inp.to(staged), group, ring)
+        return _CopyBack(work, out, copy)
     if ring:
         ring_all_gather(out, inp, group=group, check=False)
         return DONE

@@ -124,18 +124,21 @@ def test_ddp_and_the_sharded_optimizers_equal_torch_on_cuda(W, monkeypatch):
 
 
 def sync_free_steps(rank, W):
-    """A DistAdamW + DistMuon step, clipping included, under torch.cuda.set_sync_debug_mode("error")."""
+    """A DistAdamW + DistMuon step, clipping included, under torch.cuda.set_sync_debug_mode("error"): the
+    optimizer's part of a step (the batches are copied to the GPU beforehand; forward and backward are torch's)."""
     model = tiny_gpt()
     opt = make_muon_optimizer(model)
-    for step in range(3):
-        if step:
-            torch.cuda.set_sync_debug_mode("error")
-        x, y = batch(rank, step)
+    batches = [batch(rank, step) for step in range(3)]
+    for step, (x, y) in enumerate(batches):
         model(x, y)[1].backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        torch.cuda.set_sync_debug_mode("default")
+        if step:  # the first step creates the state
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return True
 
 

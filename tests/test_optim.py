@@ -757,3 +757,35 @@ def test_the_muon_adamw_pair_is_one_torch_optimizer(W):
     # Every Muon matrix's state lives on exactly one rank.
     keys = [set(out["dcp_keys"]) for out in outs]
     assert len(outs[0]["muon_names"]) == 8 and all(sum(n in k for k in keys) == 1 for n in outs[0]["muon_names"])
+
+
+def test_muon_adamw_loads_its_state_into_both_halves(no_process_group):
+    from nanodist.optim import MuonAdamW
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    opt = MuonAdamW(model)
+    model(x, x)[1].backward()
+    opt.step()
+    again = MuonAdamW(model)
+    again.load_state_dict(opt.state_dict())
+    assert again.adamw.state is again.state and again.muon.state is again.state and len(again.state) == len(opt.state)
+    assert again.adamw.param_groups + again.muon.param_groups == again.param_groups
+    assert all(a is b for a, b in zip(again.adamw.param_groups + again.muon.param_groups, again.param_groups))
+    assert again.adamw.nanodist_inner and again.muon.nanodist_inner and not getattr(again, "nanodist_inner", False)
+
+
+def _ddp_counts_one_step_of_muon_adamw(rank, W):
+    from nanodist.optim import MuonAdamW
+    model = GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16))
+    ddp, opt = nd.DDP(model), MuonAdamW(model)
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        ddp(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return ddp.optimizer_steps
+
+
+def test_ddp_counts_a_step_of_muon_adamw_once():  # not once more for each of its two halves
+    assert spawn(_ddp_counts_one_step_of_muon_adamw, 2, timeout=120) == [2, 2]

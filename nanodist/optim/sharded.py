@@ -432,7 +432,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 dist.all_reduce(agree, group=self.group.pg)
             total = agree[-1]
-            if not all(local):  # only here does a step read a device value before the update
+            if any(not h and p.numel() for h, p in zip(local, self._params)):  # only here is a value read back
                 has_grad = [v > 0 for v in agree[:-1].tolist()]
         if clip_norm is None:
             return has_grad, None, None
@@ -868,9 +868,22 @@ class MuonAdamW(torch.optim.Optimizer):
                                      lr=muon_lr, weight_decay=muon_weight_decay, momentum=momentum) if muon else None
         inner = self.adamw.param_groups + (self.muon.param_groups if self.muon else [])
         super().__init__(inner, {})  # torch keeps the very dicts it is given: one set of groups for all three
-        self.adamw.state = self.state
+        self._share()
+        for part in (self.adamw, self.muon):
+            if part is not None:
+                part.nanodist_inner = True  # stepped by this one: nanodist.DDP counts this optimizer's steps only
+
+    def _share(self) -> None:
+        """Point the two halves at this optimizer's param-group dicts and state (again after a load, which
+        replaces both)."""
+        n = len(self.adamw.param_groups)
+        self.adamw.param_groups, self.adamw.state = self.param_groups[:n], self.state
         if self.muon is not None:
-            self.muon.state = self.state
+            self.muon.param_groups, self.muon.state = self.param_groups[n:], self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._share()
 
     @torch.no_grad()
     def step(self, closure=None):
