@@ -6,6 +6,12 @@
 
     python3 dev.py book --cached   # build from the outputs committed in the notebooks: no execution, < 1 min
     python3 dev.py site-check      # open every built page in the system's headless Chromium (see book/tools)
+    python3 dev.py spread [TESTS]  # the tests marked numerical on every CPU kernel path: deviation vs tolerance
+
+`test` runs twice what depends on floating-point arithmetic: the whole suite first, then the notebooks and the
+tests marked `numerical` again on a second CPU kernel path of this machine (another vector ISA for torch's
+kernels, MKL and oneDNN, and another thread count). A compared output or a tolerance that holds only on the
+kernels that wrote it fails there (CONTRIBUTING: "Outputs that every machine reproduces").
 
 `python3 dev.py setup` only prepares `.venv`. Needs nothing but Python >= 3.10 and pip.
 
@@ -27,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +44,7 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / ("python.exe" if os.name == "nt" else "python")
 STAMP = VENV / ".nanodist-installed"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-TORCH_SPEC = "torch>=2.6"
+TORCH_SPEC = "torch>=2.9"
 
 
 def say(msg: str) -> None:
@@ -129,19 +136,139 @@ def site_check(require: bool) -> None:
         env=venv_env())
 
 
+# The second kernel path, by this machine's first: a narrower vector ISA for torch's own kernels (ATen), MKL's
+# fp32 matmuls and oneDNN's (bf16) ones, and another thread count for what runs in the notebook kernel and in
+# pytest itself (torchrun's ranks keep one thread each). A sensitivity check, not an emulation of every CPU.
+LOWER_ISA = {
+    "AVX512": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "AVX2": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "SVE256": {"ATEN_CPU_CAPABILITY": "default"},
+}
+KERNEL_VARS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+
+
+def kernel_path(env: dict, python: str | Path = PY) -> dict:
+    """What torch runs on under `env`: its CPU capability and thread count (asked in a fresh process)."""
+    probe = ("import json, torch; print(json.dumps({'capability': torch.backends.cpu.get_cpu_capability(), "
+             "'threads': torch.get_num_threads()}))")
+    out = subprocess.run([str(python), "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def first_pass_env(**extra: str) -> dict:
+    env = venv_env(**extra)
+    for k in KERNEL_VARS:  # the first pass runs on the machine's own kernels, whatever the caller's shell set
+        env.pop(k, None)
+    return env
+
+
+def second_pass_env(first: dict, base: dict | None = None, **extra: str) -> dict | None:
+    """The environment of the second kernel path (over `base`, by default the first pass's), or None where this
+    CPU has no other path."""
+    isa = LOWER_ISA.get(first["capability"])
+    if isa is None:
+        return None
+    return {**(first_pass_env(**extra) if base is None else {**base, **extra}), **isa,
+            "OMP_NUM_THREADS": "1" if first["threads"] > 1 else "2"}
+
+
+def notebooks() -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "book").glob("*.ipynb"))
+
+
+class Phases:
+    """Times each phase of `dev.py test` and prints the table at the end (CONTRIBUTING keeps the budget)."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, float, str]] = []
+
+    def run(self, name: str, budget_s: float, fn) -> None:
+        say(f"phase: {name}")
+        t0 = time.monotonic()
+        try:
+            fn()
+        finally:
+            took = time.monotonic() - t0
+            self.rows.append((name, took, f"{budget_s / 60:.0f} min"))
+            say(f"phase {name}: {took / 60:.1f} min")
+
+    def report(self) -> None:
+        say("phase times (budget in CONTRIBUTING.md):")
+        for name, took, budget in self.rows:
+            say(f"  {name:<44} {took / 60:5.1f} min   (budget {budget})")
+        say(f"  {'total':<44} {sum(t for _, t, _ in self.rows) / 60:5.1f} min   (budget 30 min)")
+
+
 def test(pytest_args: list[str]) -> None:
+    phases = Phases()
     with tempfile.TemporaryDirectory(prefix="nanodist-results-") as results:
-        env = venv_env(NANODIST_RESULTS_DIR=results)
-        notebooks = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "book").glob("*.ipynb"))
-        run([PY, "-m", "pytest", "tests", *notebooks, "--nbval", "--nbval-cell-timeout=600",
-             "-p", "no:cacheprovider", *pytest_args], cwd=ROOT, env=env)
-    build_book(execute=False, strict=True)
-    site_check(require=True)  # CI installs Chromium (.ci/run); without it the check fails here, never skips
+        env = first_pass_env(NANODIST_RESULTS_DIR=results, NANODIST_TIME_TABLE="1")
+        first = kernel_path(env)
+        pytest = [PY, "-m", "pytest", "--nbval-cell-timeout=600", "-p", "no:cacheprovider"]
+        try:
+            phases.run("tests and notebooks (nbval, strict)", 14 * 60, lambda: run(
+                pytest + ["tests", *notebooks(), "--nbval", *pytest_args], cwd=ROOT, env=env))
+            phases.run("book build (-W) and site check", 3 * 60, lambda: (
+                build_book(execute=False, strict=True),
+                site_check(require=True)))  # CI installs Chromium (.ci/run); without it this fails, never skips
+            second = second_pass_env(first, NANODIST_RESULTS_DIR=results, NANODIST_TIME_TABLE="1")
+            if second is None:
+                msg = (f"this CPU (torch capability {first['capability']}) has no second kernel path to test on")
+                if os.environ.get("CI"):
+                    sys.exit(f"dev.py: {msg}; CI needs one")
+                say(f"{msg}: the second pass is skipped (CI runs it)")
+                return
+            other = kernel_path(second)
+            if other["capability"] == first["capability"]:
+                sys.exit(f"dev.py: the second kernel path did not take: torch reports {other['capability']} both "
+                         f"times (set by ATEN_CPU_CAPABILITY={second['ATEN_CPU_CAPABILITY']})")
+            say(f"second kernel path: torch capability {first['capability']} -> {other['capability']}, "
+                f"threads {first['threads']} -> {other['threads']}, "
+                + ", ".join(f"{k}={second[k]}" for k in KERNEL_VARS if k in second))
+            phases.run(f"second kernel path ({other['capability']}): notebooks, numerical tests", 8 * 60,
+                       lambda: run(pytest + ["-m", "numerical", "tests", *notebooks(), "--nbval", *pytest_args],
+                                   cwd=ROOT, env=second))
+        finally:
+            phases.report()
+
+
+def spread(pytest_args: list[str]) -> None:
+    """Run the tests marked numerical on every kernel path this CPU has and print, for each comparison made with
+    nanodist.testing.within, the deviation seen on each path beside its tolerance."""
+    first = kernel_path(first_pass_env())
+    paths = {f"{first['capability']} x{first['threads']}": {}}
+    cap = first["capability"]
+    while cap in LOWER_ISA:
+        isa = LOWER_ISA[cap]
+        for threads in ("1", "2"):
+            probe = kernel_path({**first_pass_env(), **isa, "OMP_NUM_THREADS": threads})
+            paths[f"{probe['capability']} x{threads}"] = {**isa, "OMP_NUM_THREADS": threads}
+        cap = probe["capability"]
+    seen: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="nanodist-spread-") as tmp:
+        for name, extra in paths.items():
+            log = Path(tmp) / f"{len(seen)}.jsonl"
+            env = {**first_pass_env(NANODIST_RESULTS_DIR=tmp, NANODIST_SPREAD_LOG=str(log)), **extra}
+            say(f"kernel path {name}")
+            subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "numerical",
+                            *(pytest_args or ["tests"])], cwd=ROOT, env=env)
+            for line in log.read_text().splitlines() if log.exists() else []:
+                r = json.loads(line)
+                row = seen.setdefault(r["label"], {"rel": r["rel"], "test": r["test"], "paths": {}})
+                row["paths"][name] = max(row["paths"].get(name, 0.0), r["deviation"])
+    names = list(paths)
+    print(f"{'comparison':<90} {'tolerance':>9} " + " ".join(f"{n:>12}" for n in names) + "   margin")
+    for label, row in seen.items():
+        devs = [row["paths"].get(n) for n in names]
+        worst = max((d for d in devs if d is not None), default=0.0)
+        margin = f"{row['rel'] / worst:7.1f}x" if worst > 0 else "  exact"
+        print(f"{label[:90]:<90} {row['rel']:9.1e} " + " ".join("           -" if d is None else f"{d:12.2e}"
+                                                                   for d in devs) + f"  {margin}")
 
 
 def main(argv: list[str]) -> None:
     cmd = argv[0] if argv else "help"
-    if cmd not in ("setup", "book", "test", "site-check"):
+    if cmd not in ("setup", "book", "test", "site-check", "spread"):
         sys.exit(__doc__)
     if sys.version_info < (3, 10):
         sys.exit(f"dev.py: nanodist needs Python >= 3.10, this is {sys.version.split()[0]}")
@@ -159,6 +286,8 @@ def main(argv: list[str]) -> None:
             site_check(require="--require" in argv[1:])
         elif cmd == "test":
             test(argv[1:])
+        elif cmd == "spread":
+            spread(argv[1:])
     except subprocess.CalledProcessError as e:
         sys.exit(f"dev.py: {cmd} failed (exit {e.returncode})")
 

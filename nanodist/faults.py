@@ -4,11 +4,13 @@
     model.forward = faults.nan_loss(model.forward, rank=1, call=4)     # rank 1's 4th loss is NaN
     faults.extra_backward(loss, rank=1)            # rank 1 runs one backward more than the others
     faults.hang(rank=1)                            # rank 1 never reaches the next collective
+    loss = faults.scale_grad(loss, rank=1)         # rank 1's gradients come out 1.001 x too large, its loss unchanged
 
 Each one acts on the given rank only (the global rank; every other rank is untouched) and does nothing
 in a world of one where rank != 0. What each should produce -- a launch error naming the killed rank and
 its signal, a non-finite stop naming the rank, a step-drift error naming both ranks' steps, a timeout --
-is what the tests check.
+is what the tests check. `scale_grad` is the smallest of them, the planted error that every tolerance of an
+equivalence test must still catch (CONTRIBUTING: tolerances).
 """
 from __future__ import annotations
 
@@ -57,3 +59,23 @@ def hang(rank: int, seconds: float = 3600) -> None:
     """On `rank`: sleep instead of going on, so the other ranks wait for it in their next collective."""
     if _me(rank):
         time.sleep(seconds)
+
+
+PLANTED_SCALE = 1.001
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(loss: torch.Tensor, rank: int, factor: float = PLANTED_SCALE) -> torch.Tensor:
+    """On `rank`: the same loss value, whose backward gives gradients `factor` times too large (a silent bug in
+    one rank's arithmetic, as small as the tests' planted error). Every other rank gets `loss` back unchanged."""
+    return _ScaleGrad.apply(loss, factor) if _me(rank) else loss

@@ -9,9 +9,15 @@
 
 Faster than torchrun (no agent), and as strict: a rank that raises fails the call with that rank's
 traceback; a run past `timeout` seconds is killed, every process, and raises TimeoutError.
+
+`within(label, got, want, rel, why)` is how an equivalence test compares floating-point results: the tolerance comes
+with its reason, the assertion names the worst element, and with NANODIST_SPREAD_LOG set every comparison also
+records the deviation it saw, so that `python3 dev.py spread` can measure it on each CPU kernel path.
 """
 from __future__ import annotations
 
+import json
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -98,3 +104,35 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None =
                 p.join()
         results.close()
     return [values[r] for r in range(world_size)]
+
+
+def deviation(got, want, abs_floor: float = 0.0) -> float:
+    """The largest |got - want| / max(|want|, abs_floor) over two equal-length sequences of numbers or tensors."""
+    import torch
+    g = torch.as_tensor(got, dtype=torch.float64).flatten() if not torch.is_tensor(got) else got.double().flatten()
+    w = torch.as_tensor(want, dtype=torch.float64).flatten() if not torch.is_tensor(want) else want.double().flatten()
+    if g.shape != w.shape:
+        raise ValueError(f"cannot compare {tuple(g.shape)} values with {tuple(w.shape)}")
+    if g.numel() == 0:
+        return 0.0
+    if not (torch.isfinite(g).all() and torch.isfinite(w).all()):
+        return math.inf
+    return float(((g - w).abs() / w.abs().clamp_min(abs_floor or torch.finfo(torch.float64).tiny)).max())
+
+
+def within(label: str, got, want, rel: float, why: str, abs_floor: float = 0.0) -> float:
+    """Assert that every element of `got` is within `rel` (relative to |want|, or to abs_floor where |want| is
+    smaller) of `want`; `why` says where the tolerance comes from. Returns the deviation seen."""
+    if not why:
+        raise ValueError("a tolerance needs its reason (why=...)")
+    dev = deviation(got, want, abs_floor)
+    log = os.environ.get("NANODIST_SPREAD_LOG")
+    if log:
+        import torch
+        with open(log, "a") as f:
+            f.write(json.dumps({"label": label, "deviation": dev, "rel": rel, "why": why,
+                                "capability": torch.backends.cpu.get_cpu_capability(),
+                                "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}) + "\n")
+    assert dev <= rel, (f"{label}: deviates by {dev:.3g} (relative), beyond the tolerance {rel:g} "
+                        f"({why})")
+    return dev

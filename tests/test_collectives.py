@@ -35,6 +35,8 @@ def _compare(fails, name, got, want, exact):
     elif exact and not torch.equal(got, want):
         fails.append(f"{name}: not bitwise equal to torch (max diff {(got.double() - want.double()).abs().max()})")
     elif not exact:
+        # bf16 keeps 8 bits of mantissa: a sum in another order than torch's differs by a few of its roundings
+        # (2^-8 relative each); fp32 sums in another order, by a few fp32 roundings
         tol = dict(rtol=2e-2, atol=5e-2) if got.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
         if not torch.allclose(got.double(), want.double(), **tol):
             fails.append(f"{name}: not close to torch (max diff {(got.double() - want.double()).abs().max()})")

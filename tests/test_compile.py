@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from nanodist import experiment
 from nanodist.group import Group
+from nanodist.testing import within
 
 SMALL = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--steps", "6", "--no-progress"]
 
@@ -22,6 +23,7 @@ def train(extra: list[str], wrapper: str = "single", optimizer: str = "adamw"):
     return run, experiment.summarize(run)
 
 
+@pytest.mark.numerical
 def test_a_compiled_model_trains_as_the_eager_one(results_dir):
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is active in this test process")
@@ -30,7 +32,8 @@ def test_a_compiled_model_trains_as_the_eager_one(results_dir):
     assert not eager["compiled"] and compiled["compiled"]
     assert compiled_run.raw._compiled_call_impl is not None  # the forward runs the compiled code
     assert list(compiled_run.raw.state_dict()) == list(eager_run.raw.state_dict())  # no "_orig_mod." prefix
-    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    within("6 losses, compiled vs eager", compiled["losses"], eager["losses"], 1e-4,
+           "the compiler fuses and reorders fp32 arithmetic: rounding-level differences through 6 AdamW steps")
     assert compiled["losses"][-1] < compiled["losses"][0]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 import nanodist as nd
 from nanodist.results import load_all
+from nanodist.testing import within
 from wandb_offline import history as wandb_history
 
 LAB = Path(__file__).resolve().parents[1] / "labs" / "lab03_ddp.py"
@@ -22,18 +23,25 @@ def run_lab(args, results_dir, extra_env=None):
     return subprocess.run([sys.executable, str(LAB), *args], capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.numerical
 def test_all_implementations_in_one_run_train_identically(results_dir):
     run = nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--timeline", "--verify"], timeout=120, echo=False)
     m = run.results["metrics"]
     v = m["verify"]  # N x b == 1 x Nb: gradients and (SGD) parameters equal up to rounding
-    assert len(v["max_abs_diff"]) == 5 and max(v["max_abs_diff"]) < 1e-5 and max(v["grad_max_abs_diff"]) < 1e-5
+    assert len(v["max_abs_diff"]) == 5
+    # absolute differences of O(0.1) values summed in another order (two half-batches, then the average): a few
+    # fp32 roundings, ~1e-7; the planted error (one rank's gradient x 1.001) moves gradients by ~1e-5
+    within("lab03 N x b vs 1 x Nb: largest gradient and parameter difference over 5 steps",
+           [max(v["max_abs_diff"]), max(v["grad_max_abs_diff"])], [0.0, 0.0], 1e-5,
+           "absolute, in units of 1: fp32 roundings of a two-way split sum", abs_floor=1.0)
     # on CPU ranks of one machine nanodist reduces through shared memory, and nanodist-pg, like torch, through gloo
     assert set(m["impls"]) == {"single", "torch", "nanodist", "nanodist-pg", "naive"}
     assert m["impls"]["nanodist"]["transport"] == "shared memory"
     assert m["impls"]["nanodist-pg"]["transport"] == "the process group"
     curves = {k: m["impls"][k]["losses"] for k in ("torch", "nanodist", "nanodist-pg", "naive")}
     for k in ("nanodist", "nanodist-pg", "naive"):
-        assert curves[k] == pytest.approx(curves["torch"], rel=1e-4), k
+        within(f"lab03 5 losses, {k} DDP vs torch DDP", curves[k], curves["torch"], 1e-4,
+               "torch's buckets and ours sum the same gradients, the naive one per tensor: AdamW trajectories")
     assert curves["torch"][-1] < curves["torch"][0]
     assert m["impls"]["single"]["world_size"] == 1 and m["impls"]["torch"]["world_size"] == 2
     for key in ("ratio_nanodist_vs_torch", "ratio_nanodist_pg_vs_torch", "ratio_naive_vs_torch", "speedup",

@@ -4,10 +4,12 @@ import pytest
 import torch
 
 import nanodist as nd
+from nanodist.testing import within
 
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.numerical
 def test_lab04_trains_four_optimizers_and_records_memory(tmp_path):
     run = nd.launch("lab04_zero", nproc=2, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
                     args=["--model", "tiny", "--steps", "5", "--micro-batch", "4", "--seq-len", "16", "--no-progress"])
@@ -22,8 +24,12 @@ def test_lab04_trains_four_optimizers_and_records_memory(tmp_path):
         assert 0 < r["median_optimizer_step_s"] < r["median_step_s"]  # the update is part of the step
         assert len(r["memory"]) == 2  # one report per rank
     # Same initial weights and data: DistAdamW follows DDP + AdamW step for step, DistMuon DDP + torch's Muon.
-    assert opts["dist-adamw"]["losses"] == pytest.approx(opts["ddp-adamw"]["losses"], rel=1e-4)
-    assert opts["dist-muon"]["losses"] == pytest.approx(opts["ddp-muon"]["losses"], rel=1e-4)
+    # AdamW's update is elementwise, the same on a slice as on the whole; the gradients are summed by gloo in
+    # the same order; what differs is the foreach/fused kernel's vectorisation: a few roundings per step
+    within("lab04 5 losses, DistAdamW vs DDP + AdamW", opts["dist-adamw"]["losses"], opts["ddp-adamw"]["losses"],
+           1e-4, "elementwise update on slices: rounding-level differences, carried through 5 AdamW steps")
+    within("lab04 5 losses, DistMuon vs DDP + torch Muon", opts["dist-muon"]["losses"], opts["ddp-muon"]["losses"],
+           1e-4, "Newton-Schulz per matrix in bf16 on the owner: rounding-level differences through 5 steps")
     assert m["ratio_optimizer_step_dist_muon_vs_torch_muon"] == pytest.approx(
         opts["dist-muon"]["median_optimizer_step_s"] / opts["ddp-muon"]["median_optimizer_step_s"])
     n = opts["ddp-adamw"]["params"]

@@ -4,11 +4,13 @@ import pytest
 
 import nanodist as nd
 from nanodist.memory import zero_memory_bytes
+from nanodist.testing import within
 
 pytestmark = pytest.mark.dist
 TINY = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--no-progress"]
 
 
+@pytest.mark.numerical
 def test_lab05_compares_four_implementations_within_a_budget(tmp_path):
     run = nd.launch("lab05_fsdp", nproc=2, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
                     args=TINY + ["--steps", "5", "--budget", "0.5"])
@@ -18,7 +20,8 @@ def test_lab05_compares_four_implementations_within_a_budget(tmp_path):
     assert set(impls) == {"ddp", "zero1", "zero2", "fsdp", "fsdp2"}
     # the same weights and data: all four take the same steps (FSDP's shards add in another order: allclose)
     for name in ("zero1", "zero2", "fsdp", "fsdp2"):
-        assert impls[name]["losses"] == pytest.approx(impls["ddp"]["losses"], rel=1e-4)
+        within(f"lab05 5 losses, {name} vs DDP", impls[name]["losses"], impls["ddp"]["losses"], 1e-4,
+               "the same sums in other orders (shards, buckets): rounding-level differences through 5 AdamW steps")
     n = impls["ddp"]["params"]
     assert impls["fsdp"]["params"] == impls["fsdp2"]["params"] == n
     for mem in impls["ddp"]["memory"]:

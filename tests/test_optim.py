@@ -24,6 +24,11 @@ from nanodist.train import TrainConfig, Trainer
 WORLD_SIZES = (1, 2, 3, 4)
 ADAMW_SHAPES = [(7, 5), (3,), (), (10, 4), (1,), (2, 3)]
 MUON_SHAPES = [(7, 5), (10, 4), (7, 5), (3, 9)]
+# Why these tolerances: every gradient is a multiple of 1/64 in [-1, 1) (grads_for), so its sum over up to 4 ranks is
+# exact in fp32 in any order, and the averaged gradient ours and torch's optimizer see is bitwise the same on every
+# CPU. What is left is the optimizer's own elementwise arithmetic (AdamW: the foreach or fused kernel on slices vs
+# torch's on whole tensors; Muon: the same bf16 Newton-Schulz on the same matrix): 1e-6 absolute after the steps,
+# against parameters that each step moves by ~lr = 1e-2.
 RTOL, ATOL = 1e-5, 1e-7
 
 

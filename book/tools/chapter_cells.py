@@ -9,7 +9,8 @@ import nbformat as nbf
 
 HIDDEN = {"tags": ["remove-cell"], "jupyter": {"source_hidden": True}}      # the expected answer: not on the page
 SOLUTION = {"tags": ["hide-input"], "jupyter": {"source_hidden": True}}     # the solution: collapsed until opened
-TIMING = {"tags": ["nbval-ignore-output"]}                                 # hardware- and timing-dependent output
+MACHINE = {"tags": ["nbval-ignore-output"]}  # depends on the machine: timing, or floating-point results of training;
+# such a cell must hold an assert of what it shows (CONTRIBUTING: "Outputs that every machine reproduces")
 
 
 class Chapter:

@@ -2,7 +2,7 @@
 
     python book/tools/make_05.py && jupyter nbconvert --to notebook --execute --inplace book/05_fsdp.ipynb
 """
-from chapter_cells import HIDDEN, SOLUTION, TIMING, Chapter  # noqa: F401  (book/tools/chapter_cells.py)
+from chapter_cells import HIDDEN, SOLUTION, MACHINE, Chapter  # noqa: F401  (book/tools/chapter_cells.py)
 
 chapter = Chapter()
 md, code, exercise = chapter.md, chapter.code, chapter.exercise
@@ -195,9 +195,12 @@ waits for all of them at the end of backward.
 
 `tests/test_fsdp.py` trains the same GPT for 20 steps three ways, nanodist FSDP, torch FSDP2 with the
 same units, and one process on the whole batch, at 1, 2, 3 and 4 ranks, with a tied embedding and
-units whose sizes do not divide by 3, and in bf16. Losses and parameters agree (to `allclose`;
-nanodist's flat reduction adds numbers in another order than one process does, and the test checks
-that its distance from one process is within three times FSDP2's own). The chapter's lab trains the lab
+units whose sizes do not divide by 3, and in bf16. Losses, gradient norms and parameters agree, though
+not bitwise: nanodist's flat reduction adds numbers in another order than one process does. At the first
+step, from identical parameters, they agree to a few roundings; over 20 AdamW steps those roundings grow,
+and the test allows what it measured on several CPU kernel paths, with a margin. It also trains a copy
+with a planted bug, one rank's gradients 1.001 times too large, and checks that the same comparisons
+catch it: a tolerance that let that through would prove nothing. The chapter's lab trains the lab
 GPT with DDP, ZeRO-1, ZeRO-2, nanodist FSDP and torch FSDP2 from the same weights on the same data;
 the five runs follow each other step for step:
 """)
@@ -207,14 +210,23 @@ timed = nd.launch("lab05_fsdp", nproc=2, echo=False, args=["--no-progress"])
 t = timed.results["metrics"]
 impls = t["impls"]
 print("\n".join(line.strip() for line in timed.lines(0) if line.strip().startswith(("ddp", "zero", "fsdp", "ratio", "nanodist"))))
-""", TIMING)
+assert set(impls) == {"ddp", "zero1", "zero2", "fsdp", "fsdp2"} and all(r["median_step_s"] > 0 for r in impls.values())
+""", MACHINE)
 
 code(r"""
+# Losses and gradient norms are floating-point results of training: they differ between CPUs in their last
+# digits, so this cell shows them and checks them here instead of nbval comparing them. The bound: at step 0 the
+# parameters are identical and only the order of the gradient sums differs (a few fp32 roundings, < 1e-6); over
+# 20 AdamW steps those roundings grow (AdamW gives a gradient at rounding level a full-size update), by up to
+# ~1e-4 across the CPU kernel paths measured; 2e-3 leaves a margin and still catches a wrong average (one rank's
+# gradient 1.001 x too large moves the step-0 norm by 5e-4).
 for name in ("zero1", "zero2", "fsdp", "fsdp2"):
-    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(impls[name]["losses"], impls["ddp"]["losses"])), name
-    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(impls[name]["grad_norms"], impls["ddp"]["grad_norms"])), name
+    for key in ("losses", "grad_norms"):
+        ours, ddp = impls[name][key], impls["ddp"][key]
+        assert abs(ours[0] - ddp[0]) <= 1e-5 * ddp[0], (name, key)
+        assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(ours, ddp)), (name, key)
 Table({"step": s, **{name: round(impls[name]["losses"][s], 4) for name in impls}} for s in (0, 1, 5, 10, 19))
-""")
+""", MACHINE)
 
 md(r"""
 The gradient norms agree as well, which is a check worth making on your own machine before you trust
@@ -247,7 +259,8 @@ glue("prefetch_ms", 1e3 * tl["prefetch"]["step_s"], display=False)
 glue("no_prefetch_ms", 1e3 * tl["no_prefetch"]["step_s"], display=False)
 plots.fsdp_timeline({"prefetch on": tl["prefetch"]["events"], "prefetch off": tl["no_prefetch"]["events"]})
 plots.show()
-""", TIMING)
+assert 0 < tl["prefetch"]["step_s"] and 0 < tl["no_prefetch"]["step_s"]
+""", MACHINE)
 
 md(r"""
 {glue:md}`prov_lab`
@@ -330,13 +343,15 @@ reduce-scatter, and the saved activations. Lab 5 prints the comparison:
 """)
 
 code(r"""
+# The peak is the allocator's, traced during the step: it includes the kernels' own scratch memory, which
+# depends on the CPU (MKL's and oneDNN's buffers), so it is shown and checked here, not compared by nbval.
 bound = max(impls["fsdp"]["peak_bound"], key=lambda b: b["peak"] / b["bound"])
 parts = ["shards", "units", "unit_grad", "activations"]
-assert bound["peak"] <= bound["bound"]
+assert all(b["peak"] <= b["bound"] for b in impls["fsdp"]["peak_bound"])
 glue("peak_ratio", bound["peak"] / (bound["bound"] - bound["unit_grad"]), display=False)
 Table([{**{p: f"{bound[p] / MiB:.2f} MiB" for p in parts}, "sum": f"{bound['bound'] / MiB:.2f} MiB",
         "measured peak": f"{bound['peak'] / MiB:.2f} MiB"}])
-""")
+""", MACHINE)
 
 md(r"""
 The measured peak stays under the sum of its parts; without the gradient term it is
@@ -418,7 +433,7 @@ glue("fsdp_vs_fsdp2", ratio, display=False)
 step_ms = {name: 1e3 * r["median_step_s"] for name, r in impls.items()}
 plots.bars(list(step_ms), list(step_ms.values()), "median step (ms)", "step time, 2 gloo ranks")
 plots.show()
-""", TIMING)
+""", MACHINE)
 
 md(r"""
 The repository keeps runs of this lab measured on the machine these pages were built on, under `labs/results/reference/` (the same folder takes runs brought from a GPU box). Your run comes first; each row says where it was measured:
@@ -431,7 +446,7 @@ nd.results.beside(timed.results, refs, {
     "FSDP / FSDP2 step": lambda r: r["metrics"]["ratio_step_fsdp_vs_fsdp2"],
     "model states, FSDP / DDP": lambda r: r["metrics"]["ratio_states_fsdp_vs_ddp"],
     "bytes sent, FSDP / DDP": lambda r: r["metrics"]["ratio_bytes_sent_fsdp_vs_ddp"]})
-""", TIMING)
+""", MACHINE)
 
 md(r"""
 {glue:md}`prov_timed`
@@ -459,16 +474,19 @@ budget = nd.launch("lab05_fsdp", nproc=2, echo=False,
 b = budget.results["metrics"]["impls"]
 caption("prov_budget", budget.results)
 print("\n".join(line.strip() for line in budget.lines(0) if line.strip().startswith(("ddp", "zero", "fsdp"))))
-""", TIMING)
+assert set(b) == set(impls)
+""", MACHINE)
 
 code(r"""
+# peaks traced from the runs (kernels' scratch memory included): shown and checked here, not compared by nbval
 fits = {name: r["fits_budget"] for name, r in b.items()}
 glue("peak8_fsdp", max(mem["peak"] for mem in impls["fsdp"]["memory"]) / MiB, display=False)
 glue("peak8_ddp", max(mem["peak"] for mem in impls["ddp"]["memory"]) / MiB, display=False)
 assert not fits["ddp"] and fits["fsdp"] and fits["fsdp2"]
 peaks = {name: max(mem["peak"] for mem in r["memory"]) / MiB for name, r in b.items()}
+assert all(fits[name] == (peaks[name] <= 10) for name in b)
 Table({"configuration": name, "peak per rank (MiB)": round(peaks[name], 2), "fits in 10 MiB": fits[name]} for name in b)
-""")
+""", MACHINE)
 
 md(r"""
 {glue:md}`prov_budget`
@@ -489,6 +507,7 @@ the unit must stay gathered, and nanodist's hooks check for that. The lab measur
 """)
 
 code(r"""
+# saved activations and the traced peak of the runs: shown and checked here, not compared by nbval
 ck = m["checkpointing"]
 saved_ratio = ck["on"]["activations_max"] / ck["off"]["activations_max"]
 assert saved_ratio < 0.5 and ck["on"]["peak"] < ck["off"]["peak"]
@@ -498,12 +517,13 @@ glue("ck_peak_off", ck["off"]["peak"] / MiB, display=False)
 glue("ck_peak_on", ck["on"]["peak"] / MiB, display=False)
 Table({"checkpointing": k, "saved activations (MiB)": round(v["activations_max"] / MiB, 2),
        "peak per rank (MiB)": round(v["peak"] / MiB, 2)} for k, v in ck.items())
-""")
+""", MACHINE)
 
 code(r"""
 glue("ck_time_ratio", ck["on"]["median_step_s"] / ck["off"]["median_step_s"], display=False)
 print(f"step time with checkpointing / without: {ck['on']['median_step_s'] / ck['off']['median_step_s']:.2f}")
-""", TIMING)
+assert ck["on"]["median_step_s"] > 0 and ck["off"]["median_step_s"] > 0
+""", MACHINE)
 
 md(r"""
 Saved activations fell from {glue:text}`ck_saved_off:.1f` to {glue:text}`ck_saved_on:.1f` MiB and the
@@ -555,9 +575,16 @@ print("shard:", unit.shard.dtype, "| gathered parameters:", unit.full.dtype, "| 
 print(f"gathered bytes of {unit.name}: fp32 {fp32.units[0].full_bytes} B, bf16 {unit.full_bytes} B")
 assert unit.shard.dtype == grad.dtype == torch.float32 and unit.full.dtype == torch.bfloat16
 assert unit.full_bytes * 2 == fp32.units[0].full_bytes
+""")
+
+code(r"""
+# bf16 losses depend on the CPU (with AMX or AVX-512 BF16, oneDNN takes other kernels): shown, checked here.
+# The bound: bf16 keeps 8 bits of mantissa (a relative rounding of 2^-9 = 0.2 % per value); after 30 steps the
+# two curves were 0.5 % and 1.6 % apart at the last step on the two CPUs measured; 5 % leaves a margin while a
+# broken cast (an fp32 shard read as bf16 bits, a gradient left in bf16) is far outside it.
 assert abs(losses16[-1] - losses32[-1]) < 0.05 * losses32[-1] and losses16[-1] < losses16[0] - 0.5
 Table({"step": s, "fp32 loss": round(losses32[s], 3), "bf16 compute loss": round(losses16[s], 3)} for s in (0, 9, 19, 29))
-""")
+""", MACHINE)
 
 md(r"""
 The curves agree to bf16's precision. The equivalence test runs the same comparison against FSDP2's
@@ -583,8 +610,9 @@ decision = Table({"method": labels[s], "model states / DDP's": round(states[s] /
                   "step time / DDP's": round(impls[names[s]]["median_step_s"] / impls["ddp"]["median_step_s"], 2),
                   "peak / DDP's (1 sequence)": round(peak1[names[s]] / peak1["ddp"], 2),
                   "use when": use[s]} for s in range(4))
+assert [states[s] <= states[s - 1] for s in range(1, 4)] == [True] * 3  # each stage holds less than the one before
 decision
-""", TIMING)
+""", MACHINE)
 
 md(r"""
 {glue:md}`prov_timed`

@@ -861,6 +861,9 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 0.02, weight_decay: float = 0.1,
                  muon_weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.95,
                  exclude: tuple[str, ...] = ("lm_head",)):
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(f"MuonAdamW is torch.optim.Muon beside AdamW, and torch.optim.Muon exists from torch 2.9 "
+                               f"on; this is torch {torch.__version__}: upgrade torch (pip install 'torch>=2.9')")
         muon, groups = _muon_adamw_groups(model, weight_decay, exclude)
         fused = any(p.is_cuda for g in groups for p in g["params"])
         self.adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
