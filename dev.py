@@ -138,7 +138,8 @@ def site_check(require: bool) -> None:
 
 # The second kernel path, by this machine's first: a narrower vector ISA for torch's own kernels (ATen), MKL's
 # fp32 matmuls and oneDNN's (bf16) ones, and another thread count for what runs in the notebook kernel and in
-# pytest itself (torchrun's ranks keep one thread each). A sensitivity check, not an emulation of every CPU.
+# pytest itself (OMP_NUM_THREADS; ranks started by nanodist.launch or spawn take it too, where it is set).
+# A sensitivity check, not an emulation of every CPU.
 LOWER_ISA = {
     "AVX512": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "AVX2": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
@@ -160,6 +161,17 @@ def first_pass_env(**extra: str) -> dict:
     for k in KERNEL_VARS:  # the first pass runs on the machine's own kernels, whatever the caller's shell set
         env.pop(k, None)
     return env
+
+
+def own_compile_cache(env: dict, root: str) -> dict:
+    """A torch.compile (inductor) cache of this pass's own: inductor's on-disk cache does not tell kernels compiled
+    under another ATEN_CPU_CAPABILITY apart, and reusing them gave NaN losses and a crash (torch 2.13)."""
+    path = Path(root) / f"inductor-{len(list(Path(root).glob('inductor-*')))}"
+    return {**env, "TORCHINDUCTOR_CACHE_DIR": str(path)}
+
+
+def ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def second_pass_env(first: dict, base: dict | None = None, **extra: str) -> dict | None:
@@ -202,7 +214,7 @@ class Phases:
 def test(pytest_args: list[str]) -> None:
     phases = Phases()
     with tempfile.TemporaryDirectory(prefix="nanodist-results-") as results:
-        env = first_pass_env(NANODIST_RESULTS_DIR=results, NANODIST_TIME_TABLE="1")
+        env = own_compile_cache(first_pass_env(NANODIST_RESULTS_DIR=results, NANODIST_TIME_TABLE="1"), results)
         first = kernel_path(env)
         pytest = [PY, "-m", "pytest", "--nbval-cell-timeout=600", "-p", "no:cacheprovider"]
         try:
@@ -214,10 +226,11 @@ def test(pytest_args: list[str]) -> None:
             second = second_pass_env(first, NANODIST_RESULTS_DIR=results, NANODIST_TIME_TABLE="1")
             if second is None:
                 msg = (f"this CPU (torch capability {first['capability']}) has no second kernel path to test on")
-                if os.environ.get("CI"):
+                if ci():
                     sys.exit(f"dev.py: {msg}; CI needs one")
                 say(f"{msg}: the second pass is skipped (CI runs it)")
                 return
+            second = own_compile_cache(second, results)
             other = kernel_path(second)
             if other["capability"] == first["capability"]:
                 sys.exit(f"dev.py: the second kernel path did not take: torch reports {other['capability']} both "
@@ -242,16 +255,22 @@ def spread(pytest_args: list[str]) -> None:
         isa = LOWER_ISA[cap]
         for threads in ("1", "2"):
             probe = kernel_path({**first_pass_env(), **isa, "OMP_NUM_THREADS": threads})
-            paths[f"{probe['capability']} x{threads}"] = {**isa, "OMP_NUM_THREADS": threads}
+            paths.setdefault(f"{probe['capability']} x{threads}", {**isa, "OMP_NUM_THREADS": threads})
+        if probe["capability"] == cap:
+            break  # the narrower ISA did not take: no further paths
         cap = probe["capability"]
     seen: dict[str, dict] = {}
+    failed = []
     with tempfile.TemporaryDirectory(prefix="nanodist-spread-") as tmp:
-        for name, extra in paths.items():
-            log = Path(tmp) / f"{len(seen)}.jsonl"
-            env = {**first_pass_env(NANODIST_RESULTS_DIR=tmp, NANODIST_SPREAD_LOG=str(log)), **extra}
+        for k, (name, extra) in enumerate(paths.items()):
+            log = Path(tmp) / f"path{k}.jsonl"
+            env = own_compile_cache({**first_pass_env(NANODIST_RESULTS_DIR=tmp, NANODIST_SPREAD_LOG=str(log)),
+                                     **extra}, tmp)
             say(f"kernel path {name}")
-            subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "numerical",
-                            *(pytest_args or ["tests"])], cwd=ROOT, env=env)
+            rc = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "numerical",
+                                 *(pytest_args or ["tests"])], cwd=ROOT, env=env).returncode
+            if rc != 0:
+                failed.append(f"{name} (pytest exit {rc})")
             for line in log.read_text().splitlines() if log.exists() else []:
                 r = json.loads(line)
                 row = seen.setdefault(r["label"], {"rel": r["rel"], "test": r["test"], "paths": {}})
@@ -264,6 +283,8 @@ def spread(pytest_args: list[str]) -> None:
         margin = f"{row['rel'] / worst:7.1f}x" if worst > 0 else "  exact"
         print(f"{label[:90]:<90} {row['rel']:9.1e} " + " ".join("           -" if d is None else f"{d:12.2e}"
                                                                    for d in devs) + f"  {margin}")
+    if failed:
+        sys.exit(f"dev.py spread: tests failed on {', '.join(failed)}")
 
 
 def main(argv: list[str]) -> None:

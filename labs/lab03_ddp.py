@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import nanodist as nd
-from nanodist import experiment
+from nanodist import experiment, faults
 from nanodist.bench import take_turns
 from nanodist.data import TokenStream
 from nanodist.model import GPT
@@ -65,14 +65,19 @@ def verify_equivalence(args, data, group, steps: int = 5) -> dict:
     model = experiment.build_model(args, data.vocab_size, group.device)
     big = GPT(model.config).to(group.device)
     big.load_state_dict(model.state_dict())
+    planted = GPT(model.config).to(group.device)  # the same, with a bug: rank 0's gradient 1.001 x too large
+    planted.load_state_dict(model.state_dict())
     ddp = nd.DDP(model, bucket_cap_mb=args.bucket_mb, group=group)
+    planted_ddp = nd.DDP(planted, bucket_cap_mb=args.bucket_mb, group=group)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, big)]
     stream = TokenStream(data.tokens, batch_size=args.micro_batch, block_size=args.seq_len,
                                     rank=group.rank, world_size=group.size, seed=args.seed, device=group.device)
-    grad_diffs, param_diffs = [], []
-    for _ in range(steps):
+    grad_diffs, param_diffs, planted_diff = [], [], None
+    for step in range(steps):
         x, y = next(stream)
         ddp(x, y)[1].backward()
+        if step == 0:
+            faults.scale_grad(planted_ddp(x, y)[1], rank=0).backward()
         xs = [torch.empty_like(x) for _ in range(group.size)]
         ys = [torch.empty_like(y) for _ in range(group.size)]
         dist.all_gather(xs, x, group=group.pg)
@@ -81,6 +86,9 @@ def verify_equivalence(args, data, group, steps: int = 5) -> dict:
             big(torch.cat(xs), torch.cat(ys))[1].backward()  # the mean over N*b sequences
             grad_diffs.append(max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(),
                                                                                       big.parameters())))
+            if step == 0:
+                planted_diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(planted.parameters(),
+                                                                                       big.parameters()))
             opts[1].step()
             opts[1].zero_grad()
         opts[0].step()
@@ -88,7 +96,7 @@ def verify_equivalence(args, data, group, steps: int = 5) -> dict:
         if group.is_main:
             param_diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), big.parameters())))
     return {"steps": steps, "grad_max_abs_diff": grad_diffs, "max_abs_diff": param_diffs,
-            "global_batch": args.micro_batch * group.size}
+            "planted_grad_max_abs_diff": planted_diff, "global_batch": args.micro_batch * group.size}
 
 
 def baseline_from_files(args, world_size: int, impl: str) -> dict | None:
@@ -140,6 +148,9 @@ def main():
         v = metrics["verify"] = verify_equivalence(args, data, group)
         nd.print0("N x b == 1 x Nb: largest gradient / parameter difference per step: " +
                   ", ".join(f"{g:.1e}/{d:.1e}" for g, d in zip(v["grad_max_abs_diff"], v["max_abs_diff"])))
+        if group.is_main:  # (rank 0 computed the comparison)
+            nd.print0(f"the same with a planted bug (rank 0's gradient x 1.001): largest gradient difference at "
+                      f"step 0 {v['planted_grad_max_abs_diff']:.1e}")
     for name, r in results.items():
         how = f"  (gradients through {r['transport']})" if "transport" in r else ""
         nd.print0(f"{name:>11}: {r['world_size']} rank(s)  {r['tokens_per_s']:9.0f} tokens/s  "

@@ -58,7 +58,7 @@ def equivalence_worker(rank, W, bf16):
         return ours, torch.optim.AdamW(ours.configure_param_groups(0.1), lr=3e-3)
 
     ours, opt = ours_and_opt()
-    planted, opt4 = ours_and_opt()
+    planted, opt4 = ours_and_opt() if not bf16 else (None, None)
 
     theirs = _gpt(vocab)
     mesh = nd.Group.world().device_mesh  # a CPU mesh, built explicitly
@@ -80,12 +80,12 @@ def equivalence_worker(rank, W, bf16):
         out["single"].append(_step(single, opt3, torch.cat(xs), torch.cat(ys), autocast_dtype=lp))
         if not bf16:
             out["planted"].append(_step(planted, opt4, x, y, plant=True))
-    full, planted_full = ours.full_state_dict(), planted.full_state_dict()
+    full = ours.full_state_dict()
     fsdp2 = {n: p.full_tensor() for n, p in theirs.named_parameters()}
     ref = dict(single.named_parameters())
     if rank == 0:
         out["params"] = {k: {n: t.detach().clone() for n, t in d.items()}
-                         for k, d in (("ours", full), ("fsdp2", fsdp2), ("single", ref), ("planted", planted_full))}
+                         for k, d in (("ours", full), ("fsdp2", fsdp2), ("single", ref))}
         out["diff_fsdp2"] = max((full[n] - fsdp2[n]).abs().max().item() for n in fsdp2)
         out["tied"] = full["wte.weight"].data_ptr() == full["lm_head.weight"].data_ptr()
     out["local_numel"] = sum(p.numel() for p in ours.parameters())
@@ -107,13 +107,12 @@ TRAJECTORY_REL = 2e-3
 PARAMS_REL = 0.5  # of one step's size (lr): the largest parameter difference after 20 steps, per element
 
 
-def check_fsdp_equivalence(outs, key="ours"):
+def check_fsdp_equivalence(outs):
     """Every rank's own losses and the global gradient norms against FSDP2's (the same batches), and the norms
     against one process's on the whole batch (whose loss is the global batch's, not comparable)."""
-    W = len(outs)
-    W = f"planted error (must fail), W={W}" if key == "planted" else f"W={W}"  # labels for dev.py spread
+    W = f"W={len(outs)}"
     for rank, out in enumerate(outs):
-        ours, single, fsdp2 = out[key], out["single"], out["fsdp2"]
+        ours, single, fsdp2 = out["ours"], out["single"], out["fsdp2"]
         norms = lambda run: [n for _, n in run]  # noqa: E731
         within(f"{W} rank {rank} step 0 loss and grad norm, FSDP vs FSDP2", ours[0], fsdp2[0],
                STEP0_REL, "identical parameters: only the summation order differs")
@@ -126,7 +125,7 @@ def check_fsdp_equivalence(outs, key="ours"):
     params = outs[0]["params"]
     lr = 3e-3
     for name in ("single", "fsdp2"):
-        diff = max((params[key][n] - params[name][n]).abs().max().item() for n in params[name])
+        diff = max((params["ours"][n] - params[name][n]).abs().max().item() for n in params[name])
         within(f"{W} largest parameter difference after 20 steps, FSDP vs {name} (in units of lr)", [diff / lr],
                [0.0], PARAMS_REL, "each AdamW step moves an element by at most ~lr", abs_floor=1.0)
 
@@ -139,14 +138,20 @@ def test_fsdp_equals_torch_fsdp2_and_one_process(W):
     # the losses every rank measured on its own batch, and the global gradient norms: ours, FSDP2's and one
     # process's agree at step 0 to a few roundings, and over 20 steps within what AdamW makes of them
     check_fsdp_equivalence(outs)
-    # the same comparisons catch the planted error: rank 0's gradients 1.001 x too large
-    with pytest.raises(AssertionError, match="step 0"):
-        check_fsdp_equivalence(outs, key="planted")
+    # The step-0 comparisons catch the planted error, rank 0's gradients 1.001 x too large, on every rank (the
+    # norm is global). The 20-step bounds are there for errors that grow, not for this one: AdamW's update
+    # m / sqrt(v) is nearly blind to a gradient's scale, and clipping to norm 1 rescales it anyway.
+    for rank, out in enumerate(outs):
+        for ref in ("fsdp2", "single"):
+            with pytest.raises(AssertionError, match="beyond the tolerance"):
+                within(f"planted error (must fail), W={W} rank {rank} step 0 grad norm, FSDP vs {ref}",
+                       [out["planted"][0][1]], [out[ref][0][1]], STEP0_REL, "identical parameters at step 0")
     assert r0["tied"]  # the tied embedding and head are one tensor, as in the model
     # each rank holds 1/W of the parameters (up to the padding of the last shard of each unit)
     assert sum(o["local_numel"] for o in outs) == r0["total_numel"]
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("W", [2, 3])
 def test_fsdp_with_bf16_compute_follows_fsdp2(W):
     outs = spawn(equivalence_worker, W, args=(True,), timeout=120)
@@ -205,6 +210,7 @@ def trainer_worker(rank, W, accum):
     return trainer.grad_accum, ours.full_state_dict(), [h["grad_norm"] for h in hist]
 
 
+@pytest.mark.numerical
 def test_the_trainer_drives_fsdp_with_accumulation_like_one_big_batch():
     (accum, params, norms), _ = spawn(trainer_worker, 2, args=(2,), timeout=120)
     assert accum == 2
@@ -330,6 +336,7 @@ def reuse_worker(rank, W):
     return out
 
 
+@pytest.mark.numerical
 def test_backward_twice_and_a_unit_alone_behave_as_in_one_process():
     for out in spawn(reuse_worker, 2, timeout=120):
         # one backward, no training: the norms of the same gradients summed in other orders, a few roundings
@@ -361,6 +368,7 @@ def frozen_worker(rank, W):
     return {n: float((full[n] - p.detach()).abs().max()) for n, p in single.named_parameters()}
 
 
+@pytest.mark.numerical
 def test_a_frozen_unit_trains_like_one_process():
     diffs = spawn(frozen_worker, 2, timeout=120)[0]
     # the same batch on every rank, so the average of identical gradients, (g + g) / 2, is exact: 1e-5 (of an

@@ -43,6 +43,7 @@ def tiny_setup(micro_batch, seed=0):
     return model, stream
 
 
+@pytest.mark.numerical
 def test_accumulation_equals_the_big_batch():
     """4 micro-steps of 2 sequences == 1 step of 8 sequences (same data, same update)."""
     small, s_small = tiny_setup(2)
@@ -115,6 +116,7 @@ def accumulation_worker(rank, world):
 
 
 @pytest.mark.dist
+@pytest.mark.numerical
 def test_ddp_accumulation_syncs_once_per_step_and_equals_one_process():
     """2 ranks x 2 micro-steps (the first under no_sync) == 1 process x 4 micro-steps, on the same 8 windows."""
     (accum, syncs, params), _ = spawn(accumulation_worker, 2, timeout=120)
@@ -241,6 +243,7 @@ def fsdp2_worker(rank, world):
 
 
 @pytest.mark.dist
+@pytest.mark.numerical
 def test_the_trainer_accumulates_with_torch_fsdp2_like_one_big_batch():
     (accum, calls, params, norms), _ = spawn(fsdp2_worker, 2, timeout=120)
     assert accum == 2 and calls == [False, True] * 3  # no sync on the first micro-step of each step

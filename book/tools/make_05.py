@@ -215,11 +215,12 @@ assert set(impls) == {"ddp", "zero1", "zero2", "fsdp", "fsdp2"} and all(r["media
 
 code(r"""
 # Losses and gradient norms are floating-point results of training: they differ between CPUs in their last
-# digits, so this cell shows them and checks them here instead of nbval comparing them. The bound: at step 0 the
-# parameters are identical and only the order of the gradient sums differs (a few fp32 roundings, < 1e-6); over
-# 20 AdamW steps those roundings grow (AdamW gives a gradient at rounding level a full-size update), by up to
-# ~1e-4 across the CPU kernel paths measured; 2e-3 leaves a margin and still catches a wrong average (one rank's
-# gradient 1.001 x too large moves the step-0 norm by 5e-4).
+# digits, so this cell shows them and checks them here instead of nbval comparing them. The bounds are those of
+# tests/test_fsdp.py, which measures them on several CPU kernel paths: at step 0 the parameters are identical and
+# only the order of the gradient sums differs (a few fp32 roundings, below 1e-7 measured); over 20 AdamW steps
+# those roundings grow, because AdamW gives a gradient at rounding level a full-size update (up to 1.2e-4
+# measured). A wrong average, one rank's gradient 1.001 x too large, moves the step-0 norm by 5e-4 at 2 ranks:
+# the test plants that error and checks that the same bounds catch it.
 for name in ("zero1", "zero2", "fsdp", "fsdp2"):
     for key in ("losses", "grad_norms"):
         ours, ddp = impls[name][key], impls["ddp"][key]
