@@ -61,6 +61,8 @@ def parse_args():
 def check(args, world_size):
     if not args.bench and args.checkpoint_dir is None:
         return "--checkpoint-dir is required for a training run (or use --bench)"
+    if args.checkpoint_dir is not None and not args.checkpoint_dir.strip():
+        return "--checkpoint-dir is empty: name a directory (an empty name would put checkpoints in the current one)"
     for name in ("checkpoint_every", "keep", "repeats"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}"

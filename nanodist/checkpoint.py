@@ -367,6 +367,26 @@ def _safe_planner():
     return SafePlanner()
 
 
+try:  # torch's CheckpointException derives from BaseException: a user's `except Exception` would not see it
+    from torch.distributed.checkpoint.api import CheckpointException as _DCPError
+except ImportError:  # pragma: no cover
+    class _DCPError(Exception):
+        pass
+
+
+def _dcp_cause(e: BaseException) -> str:
+    """What went wrong inside DCP, rank by rank: its exception lists only 'CheckpointException ranks:...'."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, f in sorted(failures.items()):
+            inner = f[0] if isinstance(f, tuple) and f and isinstance(f[0], BaseException) else \
+                getattr(f, "exception", f)  # torch keeps (exception, frames) per rank
+            parts.append(f"rank {rank}: {type(inner).__name__}" + (f": {str(inner)[:300]}" if str(inner) else ""))
+        return "; ".join(parts)
+    return f"{type(e).__name__}: {str(e)[:600]}"
+
+
 @contextlib.contextmanager
 def _one_process_is_fine():
     """DCP warns that it 'assumes' a single process when there is no process group: here that is the intent."""
@@ -418,8 +438,17 @@ def verify(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint: it has no meta.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{meta_path} is corrupted ({e})") from None
-    for name, want in meta.get("files", {}).items():
+    except OSError as e:  # a directory named meta.json, a file that cannot be read
+        raise CheckpointError(f"{meta_path} cannot be read ({e.strerror or e})") from None
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(w, dict) and isinstance(w.get("bytes"), int)
+                                              and isinstance(w.get("crc32"), str) for w in files.values()):
+        raise CheckpointError(f"{meta_path} is corrupted: it does not list the checkpoint's files with their sizes "
+                              f"and checksums")
+    for name, want in files.items():
         f = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{meta_path} is corrupted: it names {name!r}, outside the checkpoint")
         if not f.is_file():
             raise CheckpointError(f"{f} is missing from the checkpoint")
         size = f.stat().st_size
@@ -444,6 +473,9 @@ class CheckpointManager:
             raise ValueError(f"checkpoint format must be one of {', '.join(FORMATS)}, got {format!r}")
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive number of checkpoints, got {keep!r}")
+        if directory is None or not str(directory).strip():
+            raise CheckpointError("the checkpoint directory is empty: name one (--checkpoint-dir PATH); an empty name "
+                                  "would put step_* folders in whatever directory the run starts in")
         self.directory, self.keep, self.format, self.async_save = Path(directory), keep, format, async_save
         self.record_fingerprint = record_fingerprint  # meta.json gets fingerprint(trainer): costs one gather
         self.group = Group.resolve(group)
@@ -486,10 +518,12 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         """What `latest` points at, if it names a committed checkpoint; else the newest committed one."""
         pointer = self.directory / "latest"
-        if pointer.exists():
-            target = self.directory / pointer.read_text().strip()
-            if (target / "meta.json").exists():
-                return target
+        try:
+            name = pointer.read_text().strip() if pointer.is_file() and not pointer.is_symlink() else ""
+        except (OSError, UnicodeDecodeError):  # a damaged pointer: fall back to what the directory holds
+            name = ""
+        if name.startswith("step_") and "/" not in name and (self.directory / name / "meta.json").is_file():
+            return self.directory / name
         found = self.complete()
         return found[-1] if found else None
 
@@ -500,11 +534,19 @@ class CheckpointManager:
         if spec is None or str(spec) == "none":
             return None
         # a restarted group must not walk into the same NaN again; rank 0 reads, every rank raises
-        reason = self._agree(self.stopped_reason() if self.group.is_main else None)
+        reason, problem = None, None
+        if self.group.is_main:
+            try:
+                reason = self.stopped_reason()
+            except CheckpointError as e:  # every rank raises it, none waits for rank 0
+                problem = str(e)
+        reason, problem = self._agree((reason, problem))
+        if problem:
+            raise CheckpointError(problem)
         if reason is not None:
             raise CheckpointError(f"this run stopped itself earlier and was not restarted: {reason} (remove "
                                   f"{self.directory / STOPPED} to resume anyway, or start fresh with --resume none)")
-        choice, problem = None, None
+        choice = None
         if self.group.is_main:
             if str(spec) == "auto":
                 candidates = self.complete()
@@ -596,8 +638,11 @@ class CheckpointManager:
         try:
             state = finish(group)
             with _one_process_is_fine():
-                dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
-                         process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
+                try:
+                    dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
+                             process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
+                except _DCPError as e:
+                    raise CheckpointError(f"saving {self.directory / name} failed: {_dcp_cause(e)}") from e
             if self.group.is_main:
                 self._commit(tmp, name, meta)
         except BaseException as e:  # the save failed: no commit, the temporary directory stays to be cleaned
@@ -637,7 +682,8 @@ class CheckpointManager:
         error = getattr(self, "_pending_error", None)
         if error is not None:
             self._pending_error = None
-            raise CheckpointError(f"the asynchronous save failed: {error}") from error
+            cause = _dcp_cause(error) if isinstance(error, _DCPError) else error
+            raise CheckpointError(f"the asynchronous save failed: {cause}") from error
 
     def close(self) -> None:
         self.wait()
@@ -658,15 +704,27 @@ class CheckpointManager:
 
     def stopped_reason(self) -> str | None:
         f = self.directory / STOPPED
-        return f.read_text().strip() if f.exists() else None
+        if f.is_symlink():
+            raise CheckpointError(f"{f} is a symbolic link, which nanodist never writes: remove it (it may point at "
+                                  f"another file, whose content would be read as the reason the run stopped)")
+        if not f.exists():
+            return None
+        if not f.is_file():
+            raise CheckpointError(f"{f} is not a file: remove it")
+        return f.read_text(errors="replace").strip()
 
     def mark_stopped(self, reason: str) -> None:
-        """Rank 0 writes why the run stopped itself beside the checkpoints (a torchrun restart then stops too)."""
+        """Rank 0 writes why the run stopped itself beside the checkpoints (a torchrun restart then stops too).
+        Written to a new file and renamed over STOPPED: a symbolic link there is replaced, never followed."""
         if self.group.is_main:
-            with open(self.directory / STOPPED, "w") as f:
+            tmp = self.directory / f".{STOPPED}.{uuid.uuid4().hex[:8]}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            with os.fdopen(fd, "w") as f:
                 f.write(reason + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+            os.replace(tmp, self.directory / STOPPED)
+            _fsync(self.directory)
 
 
 def _check_compatible(meta: dict, trainer, group: Group) -> None:
@@ -707,14 +765,15 @@ def _agree_ok(group: Group, error: BaseException | None, what: str) -> None:
                                                               if len(failed) > 1 else "") + f": {m}") from error
 
 
-def load(path, trainer, group=None) -> dict:
+def load(path, trainer, group=None, verify_files: bool = True) -> dict:
     """Load the checkpoint at `path` into `trainer` (every rank). Returns its meta. Raises CheckpointError saying
-    what differs when it does not fit this model and optimizer -- on every rank, when any rank fails."""
+    what differs when it does not fit this model and optimizer -- on every rank, when any rank fails. Every file
+    is checked against the size and checksum saved with it first (verify_files=False skips that read)."""
     path = Path(path)
     group = Group.resolve(group)
     meta, dcp_meta, state, error = None, None, None, None
     try:
-        meta = read_meta(path)
+        meta = verify(path) if verify_files and group.is_main else read_meta(path)
         _check_compatible(meta, trainer, group)
         if meta["format"] == "sharded":
             dcp_meta = read_dcp_metadata(path)  # refuses a crafted .metadata here, with its own message
@@ -741,8 +800,8 @@ def load(path, trainer, group=None) -> dict:
             with _one_process_is_fine():
                 dcp.load(template, storage_reader=_safe_reader(path, dcp_meta), planner=_safe_planner(),
                          process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
-        except Exception as e:  # DCP gathers every rank's failure and raises it on all of them
-            raise CheckpointError(f"cannot load the sharded checkpoint {path}: {str(e)[:600]}") from e
+        except (Exception, _DCPError) as e:  # DCP gathers every rank's failure and raises it on all of them
+            raise CheckpointError(f"cannot load the sharded checkpoint {path}: {_dcp_cause(e)}") from e
         state = template
     try:
         load_optimizer_state(trainer, state.pop("optimizer"))
@@ -758,11 +817,16 @@ def read_meta(path) -> dict:
     """A checkpoint's meta.json (plain JSON: safe to read from anywhere)."""
     f = Path(path) / "meta.json"
     try:
-        return json.loads(f.read_text())
+        meta = json.loads(f.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a complete checkpoint: it has no meta.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f} is corrupted ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{f} cannot be read ({e.strerror or e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{f} is corrupted: it holds a {type(meta).__name__}, not a checkpoint's description")
+    return meta
 
 
 def fingerprint(trainer) -> str:

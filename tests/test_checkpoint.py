@@ -463,3 +463,80 @@ def test_the_lab_restarted_after_a_nan_stop_stops_at_once(tmp_path):
         nd.launch("lab06_checkpoint", nproc=1, args=TINY + ["--checkpoint-dir", str(ck)], timeout=LAUNCH_S,
                   echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path / "r")})
     assert "stopped itself earlier" in str(e.value) and "the loss is nan on rank 1" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- hostile files (issue 25, first items)
+
+def test_a_damaged_latest_pointer_or_meta_falls_back_to_an_intact_checkpoint(saved, tmp_path):
+    """A binary `latest`, a directory named `latest`, or a newest step whose meta.json holds `[]`: find() warns and
+    takes the newest intact checkpoint instead of crashing (on main before this, each was a raw traceback)."""
+    import shutil
+    for case in ("binary latest", "directory latest", "meta.json []"):
+        d = tmp_path / case.replace(" ", "-")
+        shutil.copytree(saved / "full", d)
+        if case == "binary latest":
+            (d / "latest").write_bytes(b"\xff\xfe\x00step_\x80")
+            want = "step_00000006"  # the pointer is ignored; the newest committed step is intact
+        elif case == "directory latest":
+            (d / "latest").unlink()
+            (d / "latest").mkdir()
+            want = "step_00000006"
+        else:
+            (d / "step_00000006" / "meta.json").write_text("[]")
+            want = "step_00000004"
+        mgr = CheckpointManager(d, format="full")
+        if want == "step_00000004":
+            with pytest.warns(UserWarning, match="meta.json is corrupted.*falling back"):
+                found = mgr.find("auto")
+        else:
+            found = mgr.find("auto")
+        assert found.name == want, case
+
+
+def test_an_empty_checkpoint_directory_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for empty in ("", "  "):
+        with pytest.raises(CheckpointError, match="the checkpoint directory is empty"):
+            CheckpointManager(empty)
+    assert not list(tmp_path.iterdir()), "nothing may be written where the run started"
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "labs" / "lab06_checkpoint.py"),
+                          *TINY, "--checkpoint-dir="], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "NANODIST_RESULTS_DIR": str(tmp_path / "r")})
+    assert out.returncode != 0 and "--checkpoint-dir is empty" in out.stderr + out.stdout
+    assert not list(tmp_path.glob("step_*")) and not (tmp_path / "latest").exists()
+
+
+def test_stopped_is_never_written_or_read_through_a_symbolic_link(tmp_path):
+    ck, other = tmp_path / "ck", tmp_path / "precious.txt"
+    mgr = CheckpointManager(ck)
+    other.write_text("someone else's file\n")
+    (ck / "STOPPED").symlink_to(other)
+    with pytest.raises(CheckpointError, match="STOPPED is a symbolic link"):
+        mgr.find("auto")  # the other file's content is never printed as a stop reason
+    mgr.mark_stopped("step 3: the loss is nan on rank 0")
+    assert other.read_text() == "someone else's file\n"  # the link was replaced, its target untouched
+    assert not (ck / "STOPPED").is_symlink() and "loss is nan" in mgr.stopped_reason()
+    (ck / "STOPPED").unlink()
+    (ck / "STOPPED").symlink_to(tmp_path / "nowhere")  # a dangling link creates no file elsewhere
+    mgr.mark_stopped("again")
+    assert not (tmp_path / "nowhere").exists() and mgr.stopped_reason() == "again"
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_load_checks_the_checksums_it_saved(saved, tmp_path, fmt):
+    """One flipped byte: load(path) itself refuses it (before, only find() and resume() verified)."""
+    d, victim = _damaged_copy(saved, tmp_path, fmt)
+    data = victim.read_bytes()
+    victim.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    with pytest.raises(CheckpointError, match="checksum differs"):
+        load(d / "step_00000006", make_run().trainer)
+
+
+def test_a_failure_inside_dcp_is_a_checkpoint_error_carrying_its_cause(saved, tmp_path):
+    """DCP's CheckpointException derives from BaseException (a user's `except Exception` misses it) and names only
+    the ranks: a truncated shard must come out as a CheckpointError that says what failed."""
+    d, victim = _damaged_copy(saved, tmp_path, "sharded")
+    victim.write_bytes(victim.read_bytes()[:64])
+    with pytest.raises(CheckpointError, match=r"cannot load the sharded checkpoint .*: rank 0: EOFError") as e:
+        load(d / "step_00000006", make_run().trainer, verify_files=False)
+    assert isinstance(e.value, Exception)

@@ -92,7 +92,9 @@ def test_lab04_memory_only_and_recorded_pipeline(tmp_path):
         local = torch.tensor([e["grad"] for e in entries])
         assert not torch.equal(local[0], local[1])  # every rank had its own batch
         average = torch.cat([torch.tensor(e["grad_shard"] or []) for e in entries])
-        assert torch.allclose(average, local.mean(0), atol=1e-6)  # reduce-scatter: the average, slice by slice
+        # reduce-scatter: the average, slice by slice; the lab's ring sums in another order than mean(0) does,
+        # a rounding or two of O(0.1) gradients (1e-6 absolute)
+        assert torch.allclose(average, local.mean(0), atol=1e-6)
         params = torch.tensor([e["param"] for e in entries])
         assert (params == params[0]).all()  # all-gather: identical everywhere
         for e in entries:  # each updated slice is what the all-gather delivered
