@@ -218,9 +218,9 @@ def test(pytest_args: list[str]) -> None:
         first = kernel_path(env)
         pytest = [PY, "-m", "pytest", "--nbval-cell-timeout=600", "-p", "no:cacheprovider"]
         try:
-            phases.run("tests and notebooks (nbval, strict)", 14 * 60, lambda: run(
+            phases.run("tests and notebooks (nbval, strict)", 16 * 60, lambda: run(
                 pytest + ["tests", *notebooks(), "--nbval", *pytest_args], cwd=ROOT, env=env))
-            phases.run("book build (-W) and site check", 3 * 60, lambda: (
+            phases.run("book build (-W) and site check", 1 * 60, lambda: (
                 build_book(execute=False, strict=True),
                 site_check(require=True)))  # CI installs Chromium (.ci/run); without it this fails, never skips
             second = second_pass_env(first, NANODIST_RESULTS_DIR=results, NANODIST_TIME_TABLE="1")
@@ -298,7 +298,7 @@ def main(argv: list[str]) -> None:
         if cmd == "book" and "--cached" in argv[1:]:
             build_book(execute=False, strict=False)
         elif cmd == "book":
-            say("building the book re-executes every chapter: about 10 minutes on 2 CPU cores "
+            say("building the book re-executes every chapter: about 5 minutes on 2 CPU cores "
                 "(`python3 dev.py book --cached` renders the committed outputs instead, in under a minute)")
             t0 = time.monotonic()
             build_book(execute=True, strict=False)
