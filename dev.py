@@ -31,9 +31,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import json
 import subprocess
 import sys
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -163,11 +163,10 @@ def first_pass_env(**extra: str) -> dict:
     return env
 
 
-def own_compile_cache(env: dict, root: str) -> dict:
+def own_compile_cache(env: dict, directory: str | Path) -> dict:
     """A torch.compile (inductor) cache of this pass's own: inductor's on-disk cache does not tell kernels compiled
     under another ATEN_CPU_CAPABILITY apart, and reusing them gave NaN losses and a crash (torch 2.13)."""
-    path = Path(root) / f"inductor-{len(list(Path(root).glob('inductor-*')))}"
-    return {**env, "TORCHINDUCTOR_CACHE_DIR": str(path)}
+    return {**env, "TORCHINDUCTOR_CACHE_DIR": str(directory)}
 
 
 def ci() -> bool:
@@ -214,7 +213,8 @@ class Phases:
 def test(pytest_args: list[str]) -> None:
     phases = Phases()
     with tempfile.TemporaryDirectory(prefix="nanodist-results-") as results:
-        env = own_compile_cache(first_pass_env(NANODIST_RESULTS_DIR=results, NANODIST_TIME_TABLE="1"), results)
+        env = own_compile_cache(first_pass_env(NANODIST_RESULTS_DIR=results, NANODIST_TIME_TABLE="1"),
+                                Path(results) / "inductor-first")
         first = kernel_path(env)
         pytest = [PY, "-m", "pytest", "--nbval-cell-timeout=600", "-p", "no:cacheprovider"]
         try:
@@ -230,7 +230,7 @@ def test(pytest_args: list[str]) -> None:
                     sys.exit(f"dev.py: {msg}; CI needs one")
                 say(f"{msg}: the second pass is skipped (CI runs it)")
                 return
-            second = own_compile_cache(second, results)
+            second = own_compile_cache(second, Path(results) / "inductor-second")
             other = kernel_path(second)
             if other["capability"] == first["capability"]:
                 sys.exit(f"dev.py: the second kernel path did not take: torch reports {other['capability']} both "
@@ -265,7 +265,7 @@ def spread(pytest_args: list[str]) -> None:
         for k, (name, extra) in enumerate(paths.items()):
             log = Path(tmp) / f"path{k}.jsonl"
             env = own_compile_cache({**first_pass_env(NANODIST_RESULTS_DIR=tmp, NANODIST_SPREAD_LOG=str(log)),
-                                     **extra}, tmp)
+                                     **extra}, Path(tmp) / f"inductor-path{k}")
             say(f"kernel path {name}")
             rc = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "numerical",
                                  *(pytest_args or ["tests"])], cwd=ROOT, env=env).returncode

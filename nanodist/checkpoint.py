@@ -367,11 +367,11 @@ def _safe_planner():
     return SafePlanner()
 
 
-try:  # torch's CheckpointException derives from BaseException: a user's `except Exception` would not see it
-    from torch.distributed.checkpoint.api import CheckpointException as _DCPError
-except ImportError:  # pragma: no cover
-    class _DCPError(Exception):
-        pass
+def _dcp_error() -> type:
+    """torch's CheckpointException (imported when needed, as DCP is): it derives from BaseException, so a user's
+    `except Exception` would not see it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
 
 
 def _dcp_cause(e: BaseException) -> str:
@@ -432,15 +432,8 @@ def verify(path: Path) -> dict:
     meta. Raises CheckpointError naming the first file that is missing, truncated or corrupted."""
     path = Path(path)
     meta_path = path / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a complete checkpoint: it has no meta.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{meta_path} is corrupted ({e})") from None
-    except OSError as e:  # a directory named meta.json, a file that cannot be read
-        raise CheckpointError(f"{meta_path} cannot be read ({e.strerror or e})") from None
-    files = meta.get("files") if isinstance(meta, dict) else None
+    meta = read_meta(path)
+    files = meta.get("files")
     if not isinstance(files, dict) or not all(isinstance(w, dict) and isinstance(w.get("bytes"), int)
                                               and isinstance(w.get("crc32"), str) for w in files.values()):
         raise CheckpointError(f"{meta_path} is corrupted: it does not list the checkpoint's files with their sizes "
@@ -641,7 +634,7 @@ class CheckpointManager:
                 try:
                     dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
                              process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
-                except _DCPError as e:
+                except _dcp_error() as e:
                     raise CheckpointError(f"saving {self.directory / name} failed: {_dcp_cause(e)}") from e
             if self.group.is_main:
                 self._commit(tmp, name, meta)
@@ -682,7 +675,7 @@ class CheckpointManager:
         error = getattr(self, "_pending_error", None)
         if error is not None:
             self._pending_error = None
-            cause = _dcp_cause(error) if isinstance(error, _DCPError) else error
+            cause = _dcp_cause(error) if isinstance(error, _dcp_error()) else error
             raise CheckpointError(f"the asynchronous save failed: {cause}") from error
 
     def close(self) -> None:
@@ -698,7 +691,7 @@ class CheckpointManager:
             if spec not in (None, "none"):
                 print0(f"no checkpoint in {self.directory}: starting fresh")
             return None
-        load(path, trainer, group=self.group)
+        load(path, trainer, group=self.group, verify_files=False)  # find() has just verified every file
         print0(f"resumed from {path} at step {trainer.step}")
         return path
 
@@ -800,7 +793,7 @@ def load(path, trainer, group=None, verify_files: bool = True) -> dict:
             with _one_process_is_fine():
                 dcp.load(template, storage_reader=_safe_reader(path, dcp_meta), planner=_safe_planner(),
                          process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
-        except (Exception, _DCPError) as e:  # DCP gathers every rank's failure and raises it on all of them
+        except (Exception, _dcp_error()) as e:  # DCP gathers every rank's failure and raises it on all of them
             raise CheckpointError(f"cannot load the sharded checkpoint {path}: {_dcp_cause(e)}") from e
         state = template
     try:
@@ -822,7 +815,7 @@ def read_meta(path) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint: it has no meta.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f} is corrupted ({e})") from None
-    except OSError as e:
+    except OSError as e:  # a directory named meta.json, a file that cannot be read
         raise CheckpointError(f"{f} cannot be read ({e.strerror or e})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{f} is corrupted: it holds a {type(meta).__name__}, not a checkpoint's description")

@@ -109,8 +109,7 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None =
 def deviation(got, want, abs_floor: float = 0.0) -> float:
     """The largest |got - want| / max(|want|, abs_floor) over two equal-length sequences of numbers or tensors."""
     import torch
-    g = torch.as_tensor(got, dtype=torch.float64).flatten() if not torch.is_tensor(got) else got.double().flatten()
-    w = torch.as_tensor(want, dtype=torch.float64).flatten() if not torch.is_tensor(want) else want.double().flatten()
+    g, w = (torch.as_tensor(x).detach().double().flatten() for x in (got, want))
     if g.shape != w.shape:
         raise ValueError(f"cannot compare {tuple(g.shape)} values with {tuple(w.shape)}")
     if g.numel() == 0:
