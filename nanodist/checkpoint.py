@@ -9,7 +9,12 @@
 What is saved: Trainer.state_dict() -- model, optimizer, LR schedule, step and tokens seen, the training
 stream's global cursor, every rank's random generators, the run id -- and beside it `meta.json`: the
 state format, nanodist's version and commit, the world size, the model's parameter names and shapes,
-the optimizer, the configuration, and a checksum of every file.
+the optimizer, the configuration, and a checksum of every file. This module talks to the training only
+through the Trainer's state_dict() / load_state_dict() (torch's Stateful), whose layout nanodist.state
+defines: the model and the optimizer keyed by the bare model's parameter names, sharded tensors as DTensors
+of their global shape. It knows no wrapper and no optimizer class: a new one takes part through that
+protocol (see nanodist.state), and loads need no optimizer state made up beforehand -- the optimizer's
+entries are read as the checkpoint describes them.
 
 Two formats:
 - "full": everything gathered to rank 0 into one `state.pt`, plain tensors and Python values, loadable
@@ -58,6 +63,7 @@ from . import __version__
 from .group import Group
 from .results import REPO_ROOT
 from .runtime import print0
+from .state import dtensor_like
 
 STATE_FORMAT = 1  # bump when the saved layout changes; load() refuses another one with a clear message
 FORMATS = ("full", "sharded")
@@ -95,166 +101,54 @@ def code_version() -> dict:
     return {"nanodist": __version__, "commit": commit, "torch": torch.__version__}
 
 
-def _state_model(trainer):
-    return trainer._model_for_state()
-
-
-def _param_names(trainer) -> dict[int, str]:
-    """id(parameter) -> name, for the parameters the optimizer steps (as the model names them)."""
-    return {id(p): n for n, p in _state_model(trainer).named_parameters()}
-
-
-def _is_fsdp(model) -> bool:
-    from .fsdp import FSDP
-    return isinstance(model, FSDP)
-
-
-def signature(trainer) -> dict:
-    """What must match for a checkpoint to load: every parameter's name, global shape and dtype, the optimizer
-    and its parameter groups (kinds and sizes)."""
-    params = {}
-    for name, p in _state_model(trainer).named_parameters():
-        shape = tuple(p.shape)
-        if _is_fsdp(trainer.model):  # shards: the original shape
-            unit = next(u for u in trainer.model.units if name in u.names)
-            shape = tuple(unit.shapes[unit.names.index(name)])
-            dtype = unit.shard.dtype
-        else:
-            dtype = p.dtype
-        params[name] = [list(shape), str(dtype).replace("torch.", "")]
-    opt = trainer.optimizer
+def signature(state: dict) -> dict:
+    """What must match for a checkpoint to load, read from the state itself (nanodist.state's layout): every
+    model entry's name, global shape and dtype, and the optimizer's parameter groups (kinds and sizes)."""
+    params = {name: [list(t.shape), str(t.dtype).replace("torch.", "")]
+              for name, t in state["model"].items() if torch.is_tensor(t)}
     groups = [{"size": len(g["params"]), "kind": g.get("kind", "adamw" if "betas" in g else "other")}
-              for g in opt.param_groups]
-    return {"params": params, "optimizer": type(opt).__name__, "param_groups": groups,
-            "wrapper": type(trainer.model).__name__}
+              for g in state["optimizer"]["param_groups"]]
+    return {"params": params, "param_groups": groups}
 
 
-def _ensure_optimizer_state(trainer) -> None:
-    """Give every parameter the optimizer steps its state tensors (zeros), so that a state dict has every entry
-    to load into -- without a step, which would run collectives or move the parameters."""
-    opt = trainer.optimizer
-    init = getattr(opt, "init_state", None)
-    if callable(init):  # nanodist's ShardedOptimizer knows its own pieces
-        init()
-        return
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if not p.requires_grad or opt.state.get(p):
-                continue
-            if isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
-                st = {"step": torch.tensor(0.0, dtype=torch.float32),
-                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-                if group.get("amsgrad"):
-                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif isinstance(opt, torch.optim.SGD):
-                st = {"momentum_buffer": torch.zeros_like(p)} if group.get("momentum") else {}
+def _described(meta: dict, state: dict) -> dict:
+    """meta with the signature of the state being saved (which, laid out in the background, may come late)."""
+    return {**meta, "signature": {**meta["signature"], **signature(state)}}
+
+
+def _optimizer_template(dcp_meta, live: dict) -> dict:
+    """What DCP loads the saved optimizer state into, built from the checkpoint's own description of it (so no
+    optimizer needs its state made up before a load): a state tensor goes into the live optimizer's tensor at the
+    same place when it has one of that shape; a tensor of its parameter's shape takes the parameter's layout
+    (`live["model"]`: a DTensor there is read as this rank's shard); anything else is read whole."""
+    from torch.distributed.checkpoint._traverse import get_element, set_element
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    paths = getattr(dcp_meta, "planner_data", None)
+    entries = getattr(dcp_meta, "state_dict_metadata", None)
+    if not isinstance(paths, dict) or not isinstance(entries, dict):
+        raise CheckpointError("this sharded checkpoint's .metadata does not describe its state (no planner data): "
+                              "it was not written by nanodist")
+    out: dict = {}
+    for fqn, path in sorted(paths.items()):
+        if not isinstance(path, tuple) or not path or path[0] != "optimizer" or fqn not in entries:
+            continue
+        md = entries[fqn]
+        if not isinstance(md, TensorStorageMetadata):
+            set_element(out, path[1:], None)  # a plain value: DCP hands it over as saved
+            continue
+        shape = tuple(md.size)
+        mine = get_element(live, path)
+        if torch.is_tensor(mine) and tuple(mine.shape) == shape:
+            value = mine
+        else:
+            param = live["model"].get(path[2]) if len(path) == 4 and path[1] == "state" else None
+            if param is not None and hasattr(param, "device_mesh") and tuple(param.shape) == shape:
+                value = torch.distributed.tensor.empty(shape, dtype=md.properties.dtype,
+                                                       device_mesh=param.device_mesh, placements=param.placements)
             else:
-                raise CheckpointError(f"cannot prepare {type(opt).__name__}'s state for loading: nanodist's "
-                                      f"checkpoints know AdamW, Adam, SGD and nanodist's sharded optimizers")
-            opt.state[p] = st
-
-
-def optimizer_state(trainer) -> dict:
-    """The optimizer's state keyed by parameter name, in a layout that does not depend on the world size."""
-    opt, model = trainer.optimizer, trainer.model
-    if _is_fsdp(model):
-        return model.optimizer_state_dict(opt)
-    sd = opt.state_dict()
-    sd.pop("zero", None)  # who saved it (rank, world size): differs by rank, and the name-keyed layout says enough
-    names = _param_names(trainer)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    missing = [i for i, p in enumerate(params) if id(p) not in names]
-    if missing:
-        raise CheckpointError(f"the optimizer steps {len(missing)} parameter(s) the model does not have: build it "
-                              f"from the model's parameters")
-    order = [names[id(p)] for p in params]
-    return {"state": {order[i]: st for i, st in sd["state"].items()},
-            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
-
-
-def load_optimizer_state(trainer, sd: dict) -> None:
-    opt, model = trainer.optimizer, trainer.model
-    if _is_fsdp(model):
-        model.load_optimizer_state_dict(opt, sd)
-        return
-    names = _param_names(trainer)
-    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
-    state = {order.index(n): st for n, st in sd["state"].items() if st}
-    groups = [{**g, "params": [order.index(n) for n in g["params"]]} for g in sd["param_groups"]]
-    if getattr(opt, "init_state", None) is not None:  # nanodist's sharded optimizers take DTensors or whole tensors
-        opt.load_state_dict({"state": state, "param_groups": groups})
-        return
-    plain = {}
-    for i, st in state.items():  # torch's optimizers: state tensors in the layout of their parameter
-        p = [q for g in opt.param_groups for q in g["params"]][i]
-        plain[i] = {k: _like(v, p) if torch.is_tensor(v) and k != "step" else v for k, v in st.items()}
-    opt.load_state_dict({"state": plain, "param_groups": groups})
-
-
-def _like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A saved state tensor in the layout of parameter p: a DTensor of p's mesh and placements when p is one
-    (FSDP2), cut from a whole tensor if need be; p's device otherwise."""
-    if hasattr(p, "device_mesh"):
-        if hasattr(t, "to_local"):
-            return t
-        return _dtensor_like(t, p)
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.to(p.device)
-
-
-def _dtensor_like(whole: torch.Tensor, like) -> torch.Tensor:
-    """`like`'s layout (a DTensor Shard(0) or Replicate on its mesh) filled from a whole tensor every rank has."""
-    from torch.distributed.tensor import DTensor, Shard
-    mesh, placements = like.device_mesh, like.placements
-    if tuple(whole.shape) != tuple(like.shape):
-        raise CheckpointError(f"a saved tensor has shape {tuple(whole.shape)}, the model's {tuple(like.shape)}")
-    local = whole
-    if placements and isinstance(placements[0], Shard):
-        dim, n, r = placements[0].dim, mesh.size(), mesh.get_local_rank()
-        size = -(-whole.shape[dim] // n)
-        a, b = min(r * size, whole.shape[dim]), min((r + 1) * size, whole.shape[dim])
-        local = whole.narrow(dim, a, b - a)
-    return DTensor.from_local(local.to(like.to_local().device).contiguous(), mesh, placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
-
-
-def training_state(trainer) -> dict:
-    """Trainer.state_dict() with the optimizer keyed by parameter name (see optimizer_state). A collective."""
-    state = trainer.state_dict()
-    state["optimizer"] = optimizer_state(trainer)
-    return state
-
-
-def _clone(value):
-    """A copy of a state tree that training cannot change any more (DTensors stay DTensors: a local copy)."""
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    if torch.is_tensor(value):
-        return value.detach().clone()
-    return value
-
-
-def snapshot(trainer):
-    """The training state copied now, between steps, and a function `finish(group)` that returns it in the
-    saved layout -- a collective on `group` (the trainer's ranks, in order), which may run later in another
-    thread. Under nanodist.FSDP the snapshot is of the flat shards (a memory copy); laying them out per parameter
-    (an all-to-all) is left to finish(). Otherwise the state is laid out now and copied."""
-    model = trainer.model
-    if _is_fsdp(model):
-        state = trainer.state_dict(weights=False)
-        layout = model.state_snapshot(trainer.optimizer)
-
-        def finish(group=None):
-            state["model"], state["optimizer"] = layout(group)
-            return state
-
-        return finish
-    state = _clone(training_state(trainer))
-    return lambda group=None: state
+                value = torch.empty(shape, dtype=md.properties.dtype)
+        set_element(out, path[1:], value)
+    return out
 
 
 # ----------------------------------------------------------------------------- full format
@@ -302,7 +196,7 @@ def _localize(saved, template, path: str = ""):
     if isinstance(template, dict) and isinstance(saved, dict):
         return {k: _localize(v, template.get(k), f"{path}.{k}" if path else str(k)) for k, v in saved.items()}
     if template is not None and hasattr(template, "device_mesh") and torch.is_tensor(saved):
-        return _dtensor_like(saved, template)
+        return dtensor_like(saved, template)
     return saved
 
 
@@ -570,7 +464,8 @@ class CheckpointManager:
         return {"state_format": STATE_FORMAT, "code": code_version(), "format": self.format,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "step": trainer.step, "tokens_seen": trainer.tokens_seen, "run_id": trainer.run_id,
-                "world_size": self.group.size, "signature": signature(trainer),
+                "world_size": self.group.size,
+                "signature": {"optimizer": type(trainer.optimizer).__name__, "wrapper": type(trainer.model).__name__},
                 "config": {k: v for k, v in vars(trainer.cfg).items() if isinstance(v, (int, float, str, bool))
                            or v is None}}
 
@@ -591,7 +486,9 @@ class CheckpointManager:
         if self.record_fingerprint:
             meta["fingerprint"] = fingerprint(trainer)
         if self.format == "full":
-            full = _gather_full(training_state(trainer), self.group)
+            state = trainer.state_dict()
+            meta = _described(meta, state)
+            full = _gather_full(state, self.group)
             if self.group.is_main:
                 if self.async_save:
                     thread = threading.Thread(target=self._write_full_and_commit, args=(full, tmp, name, meta),
@@ -601,12 +498,12 @@ class CheckpointManager:
                 else:
                     self._write_full_and_commit(full, tmp, name, meta)
         elif self.async_save:  # copy now; lay out, write and commit in the background, on a group of its own
-            finish = snapshot(trainer)
+            finish = trainer.state_snapshot()
             thread = threading.Thread(target=self._save_sharded, args=(finish, tmp, name, meta, True), daemon=True)
             thread.start()
             self._pending = {"thread": thread}
         else:
-            self._save_sharded(lambda group=None: training_state(trainer), tmp, name, meta, False)
+            self._save_sharded(lambda group=None: trainer.state_dict(), tmp, name, meta, False)
         if not self.async_save:
             self.group.barrier()  # every rank returns once the checkpoint is committed
         final = self.directory / name
@@ -630,6 +527,7 @@ class CheckpointManager:
         group = Group.of(self._async_pg) if background and self._async_pg is not None else self.group
         try:
             state = finish(group)
+            meta = _described(meta, state)
             with _one_process_is_fine():
                 try:
                     dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
@@ -720,13 +618,21 @@ class CheckpointManager:
             _fsync(self.directory)
 
 
-def _check_compatible(meta: dict, trainer, group: Group) -> None:
+def _check_format(meta: dict) -> None:
     if meta.get("state_format") != STATE_FORMAT:
         code = meta.get("code", {})
         raise CheckpointError(f"this checkpoint has state format {meta.get('state_format')} (written by nanodist "
                               f"{code.get('nanodist')}, commit {code.get('commit')}); this code reads format "
                               f"{STATE_FORMAT} (nanodist {__version__}). Load it with the code that wrote it.")
-    saved, mine = meta["signature"], signature(trainer)
+
+
+def _check_compatible(meta: dict, template: dict, trainer) -> None:
+    """The saved signature against the live state's (what the saved values are about to go into)."""
+    saved = meta.get("signature")
+    if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict):
+        raise CheckpointError("this checkpoint's meta.json has no signature of the model it holds: it was not written "
+                              "by nanodist's CheckpointManager")
+    mine = {**signature(template), "optimizer": type(trainer.optimizer).__name__}
     problems = []
     for name in sorted(set(saved["params"]) | set(mine["params"])):
         a, b = saved["params"].get(name), mine["params"].get(name)
@@ -739,8 +645,8 @@ def _check_compatible(meta: dict, trainer, group: Group) -> None:
     if problems:
         raise CheckpointError("this checkpoint is from another model: " + "; ".join(problems[:5]) +
                               (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
-    if saved["optimizer"] != mine["optimizer"] or [g["kind"] for g in saved["param_groups"]] != \
-            [g["kind"] for g in mine["param_groups"]]:
+    if saved["optimizer"] != mine["optimizer"] or sorted(g["kind"] for g in saved["param_groups"]) != \
+            sorted(g["kind"] for g in mine["param_groups"]):  # groups are matched by their parameters' names
         raise CheckpointError(f"this checkpoint holds the state of {saved['optimizer']} (groups "
                               f"{[g['kind'] for g in saved['param_groups']]}), this run uses {mine['optimizer']} "
                               f"({[g['kind'] for g in mine['param_groups']]}): build the same optimizer")
@@ -767,14 +673,20 @@ def load(path, trainer, group=None, verify_files: bool = True) -> dict:
     meta, dcp_meta, state, error = None, None, None, None
     try:
         meta = verify(path) if verify_files and group.is_main else read_meta(path)
-        _check_compatible(meta, trainer, group)
+        _check_format(meta)
         if meta["format"] == "sharded":
             dcp_meta = read_dcp_metadata(path)  # refuses a crafted .metadata here, with its own message
-        _ensure_optimizer_state(trainer)
     except Exception as e:  # noqa: BLE001 -- every rank must hear of it
         error = e
     _agree_ok(group, error, f"loading {path}")
-    template = training_state(trainer)  # the live state in its own layout: what the saved values go into
+    template = trainer.state_dict()  # the live state (nanodist.state's layout): what the saved values go into
+    try:
+        _check_compatible(meta, template, trainer)
+        if meta["format"] == "sharded":  # the optimizer's entries as the checkpoint describes them
+            template["optimizer"] = _optimizer_template(dcp_meta, template)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree_ok(group, error, f"loading {path}")
     if meta["format"] == "full":
         try:
             try:
@@ -797,9 +709,7 @@ def load(path, trainer, group=None, verify_files: bool = True) -> dict:
             raise CheckpointError(f"cannot load the sharded checkpoint {path}: {_dcp_cause(e)}") from e
         state = template
     try:
-        load_optimizer_state(trainer, state.pop("optimizer"))
-        state["optimizer"] = None
-        trainer.load_state_dict(state, optimizer=False)
+        trainer.load_state_dict(state)
     except Exception as e:  # noqa: BLE001
         error = e
     _agree_ok(group, error, f"loading {path}")
@@ -826,7 +736,7 @@ def fingerprint(trainer) -> str:
     """SHA-256 of every parameter and optimizer-state tensor, whole and by name: equal for two runs exactly when
     their states are bitwise equal, whatever the world size or the layout of the shards. A collective."""
     import hashlib
-    full = _gather_full(training_state(trainer), trainer.group)
+    full = _gather_full(trainer.state_dict(), trainer.group)
     digest = None
     if trainer.group.is_main:
         h = hashlib.sha256()

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .group import Group
+from .state import torch_layout
 from .sync import Bucket, GradSync, Observer, Slot, Work, all_gather, reduce_scatter_sum
 
 def _in_backward() -> bool:
@@ -633,11 +634,9 @@ class FSDP(nn.Module):
                 for k, t in saved.get(unit.names[j], {}).items():
                     if k not in keys:
                         local[unit.names[j]][k] = t.to_local() if hasattr(t, "to_local") else t
+        # by name: each live group takes the saved group with the same parameters, whatever their order
         order = [names[id(p)] for p in params]
-        torch_sd = {"state": {i: local[n] for i, n in enumerate(order) if local[n]},
-                    "param_groups": [{**g, "params": [order.index(n) for n in g["params"]]}
-                                     for g in state_dict["param_groups"]]}
-        optimizer.load_state_dict(torch_sd)
+        optimizer.load_state_dict(torch_layout(optimizer, order, local, state_dict["param_groups"]))
 
     def full_tensor(self, unit: Unit, name: str) -> torch.Tensor:
         """One parameter, whole, on every rank (an all-gather of its unit)."""

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from .group import Group
 from .parallel import gradient_sync
 from .results import new_run_id
+from . import state
 from .runtime import print0, rng_state, set_rng_state
 
 
@@ -236,50 +237,62 @@ class Trainer:
 
     # --- the state ----------------------------------------------------------------------------------
 
-    def _model_for_state(self):
-        """Whose state_dict() the training state holds: torch DDP's inner module (its own keys carry a "module."
-        prefix); otherwise the model itself -- nanodist's DDP gives the bare module's names, nanodist's FSDP and
-        torch's FSDP2 give DTensors of every parameter under its original name."""
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return self.model.module
-        return self.model
-
     def state_dict(self, weights: bool = True) -> dict:
-        """Everything a resumed run needs (see ARCHITECTURE.md). Call it between steps, on every rank.
-        (weights=False: the model and optimizer entries are None, for a caller that takes them itself.)"""
+        """Everything a resumed run needs (see ARCHITECTURE.md), in the layout of nanodist.state: the model and
+        the optimizer keyed by the bare model's parameter names, sharded tensors as DTensors of their global
+        shape -- the same whatever the world size, the wrapper's packing or the order of a param group. Call it
+        between steps, on every rank (a collective where a wrapper's layout needs one). (weights=False: the model
+        and optimizer entries are None, for a caller that takes them itself.)"""
         self._flush()
         data = self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                 "run_id": self.run_id, "world_size": self.group.size, "config": asdict(self.cfg),
-                "model": self._model_for_state().state_dict() if weights else None,
-                "optimizer": self.optimizer.state_dict() if weights else None,
+                "model": state.model_state_dict(self.model) if weights else None,
+                "optimizer": state.optimizer_state_dict(self.model, self.optimizer) if weights else None,
                 "scheduler": self.scheduler.state_dict(), "data": {"train": data},
                 "rng": {f"rank{self.group.rank}": rng_state()}}
 
-    def load_state_dict(self, state: dict, optimizer: bool = True) -> None:
-        """Resume from state_dict(): the next step is exactly the one the saved run took next. (optimizer=False:
-        the caller has loaded the optimizer already, as nanodist.checkpoint does.) A rank the saved run did not
-        have -- resuming at a larger world size -- seeds its generators from the run's step and its rank."""
-        self._model_for_state().load_state_dict(state["model"])
-        if optimizer:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if state["data"]["train"] is not None:
-            self.train_data.load_state_dict(state["data"]["train"])
-        mine = state["rng"].get(f"rank{self.group.rank}")
+    def state_snapshot(self):
+        """The state copied now, between steps, and `finish(group=None)` returning it as state_dict() would have:
+        a collective on `group` (the trainer's ranks, in order), which may run later in another thread (an
+        asynchronous save). A wrapper that offers `state_snapshot(optimizer)` (nanodist.FSDP) copies its shards
+        now and lays them out in finish(); otherwise the state is laid out now and copied."""
+        take = getattr(state.bare_module(self.model), "state_snapshot", None)
+        if callable(take):
+            saved = state.clone(self.state_dict(weights=False))
+            layout = take(self.optimizer)
+
+            def finish(group=None):
+                saved["model"], saved["optimizer"] = layout(group)
+                return saved
+
+            return finish
+        saved = state.clone(self.state_dict())
+        return lambda group=None: saved
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Resume from state_dict() -- saved at this or another world size, by this or another packing: the next
+        step is exactly the one the saved run took next. A rank the saved run did not have -- resuming at a
+        larger world size -- seeds its generators from the run's step and its rank."""
+        state.load_model_state_dict(self.model, saved["model"])
+        state.load_optimizer_state_dict(self.model, self.optimizer, saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        if saved["data"]["train"] is not None:
+            self.train_data.load_state_dict(saved["data"]["train"])
+        mine = saved["rng"].get(f"rank{self.group.rank}")
         if mine is not None:
             set_rng_state(mine)
-        elif state.get("world_size", self.group.size) == self.group.size:
-            raise ValueError(f"this training state holds the random generators of {sorted(state['rng'])}, not of "
+        elif saved.get("world_size", self.group.size) == self.group.size:
+            raise ValueError(f"this training state holds the random generators of {sorted(saved['rng'])}, not of "
                              f"rank{self.group.rank}: load on every rank the state that rank saved")
         else:
             from .runtime import seed_everything
-            seed_everything(int(state["step"]) * 1_000_003 + self.group.rank)
-            print(f"rank {self.group.rank}: the saved run had {state['world_size']} ranks, so this rank has no saved "
+            seed_everything(int(saved["step"]) * 1_000_003 + self.group.rank)
+            print(f"rank {self.group.rank}: the saved run had {saved['world_size']} ranks, so this rank has no saved "
                   f"random state: seeded from the step and the rank", flush=True)
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.run_id = state["run_id"]
+        self.step, self.tokens_seen = int(saved["step"]), int(saved["tokens_seen"])
+        self.skipped_steps = int(saved.get("skipped_steps", 0))
+        self.run_id = saved["run_id"]
 
     # --- one step -----------------------------------------------------------------------------------
 

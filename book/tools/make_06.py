@@ -99,7 +99,7 @@ md(r"""
 """)
 
 code(r"""
-state = checkpoint.training_state(saver)
+state = saver.state_dict()
 
 
 def size(value):

@@ -1,0 +1,168 @@
+"""The training state's one protocol: what a checkpoint saves, keyed by the bare model's parameter names.
+
+    state = trainer.state_dict()        # every rank; model and optimizer by parameter name, global shapes
+    trainer.load_state_dict(state)      # any world size, any packing, any order of a param group
+
+nanodist.checkpoint talks to the Trainer only through `state_dict()` / `load_state_dict()` (torch's `Stateful`),
+and the Trainer builds its model and optimizer entries with the functions here. The layout does not depend on the
+world size, on how a wrapper packs its parameters or on the order of a param group:
+
+- model: the bare module's `state_dict()` -- torch DDP's `module.` and torch.compile's `_orig_mod.` prefixes
+  removed (nanodist's DDP gives the bare names itself). A sharded parameter is a DTensor `Shard(0)` of its global
+  shape (torch FSDP2 does this; nanodist.FSDP converts its flat shards to it).
+- optimizer: `{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}` -- torch's layout with
+  each parameter's index replaced by its name. A per-element state tensor has its parameter's layout (a DTensor
+  where the parameter is one); a sharded optimizer may hold another sharded layout of its own (nanodist's ZeRO:
+  a DTensor `Shard(0)` of the flattened parameter). Loading matches saved state to parameters, and saved groups
+  to live groups, by name: never by position.
+
+What a wrapper or an optimizer provides to take part (duck-typed; nothing here knows their classes):
+- a model whose parameters, as the optimizer sees them, are not in the layout above (nanodist.FSDP's flat
+  shards) provides `optimizer_state_dict(optimizer)` and `load_optimizer_state_dict(optimizer, state)` in the
+  layout above, and may provide `state_snapshot(optimizer)` (copy now, lay out later: asynchronous saves);
+- a sharded optimizer (each rank keeps a part of the state: nanodist's ZeRO) provides `init_state()`, which
+  creates its empty state without a step, so that a load reads only this rank's part, and its
+  `load_state_dict` takes its own DTensors, DTensors of another world size resharded by DCP, or whole tensors.
+Any other torch.optim.Optimizer works as it is: its state is whatever its `state_dict()` holds.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def bare_module(model: nn.Module) -> nn.Module:
+    """The module whose parameter names are the bare model's: through torch DDP (`.module`) and torch.compile
+    (`._orig_mod`), in any nesting."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(torch, "_dynamo") and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def model_state_dict(model: nn.Module) -> dict:
+    return bare_module(model).state_dict()
+
+
+def load_model_state_dict(model: nn.Module, state: dict) -> None:
+    bare_module(model).load_state_dict(state)
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in the bare model (a tied parameter: its first name)."""
+    return {id(p): n for n, p in bare_module(model).named_parameters()}
+
+
+def _live(model: nn.Module, optimizer) -> list[tuple[torch.Tensor, str]]:
+    """(parameter, name) of every parameter the optimizer steps, in its groups' order."""
+    names = _names(model)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    unknown = sum(id(p) not in names for p in params)
+    if unknown:
+        raise ValueError(f"the optimizer steps {unknown} parameter(s) that the model does not have: build it from "
+                         f"the model's parameters (model.parameters(), or param groups of them)")
+    return [(p, names[id(p)]) for p in params]
+
+
+def optimizer_state_dict(model: nn.Module, optimizer) -> dict:
+    """The optimizer's state keyed by parameter name (see the module docstring). A collective where the model's
+    hook or a DTensor conversion is one: every rank calls it."""
+    hook = getattr(bare_module(model), "optimizer_state_dict", None)
+    if callable(hook):
+        return hook(optimizer)
+    init = getattr(optimizer, "init_state", None)
+    if callable(init):  # a sharded optimizer: every piece has its (possibly zero) state, so a load reads only it
+        init()
+    order = [n for _, n in _live(model, optimizer)]
+    sd = optimizer.state_dict()
+    return {"state": {order[i]: st for i, st in sd["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def torch_layout(optimizer, order: list[str], state: dict, saved_groups: list[dict]) -> dict:
+    """An index-keyed state dict for `optimizer.load_state_dict` built from a name-keyed one: `order` names the
+    optimizer's parameters in its groups' order. Each live group takes the hyperparameters of the saved group with
+    the same parameters (in any order); each parameter its own saved state. torch maps indices by position, so
+    the indices handed to it are the live positions."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"the saved optimizer has {len(saved_groups)} param group(s), this one "
+                         f"{len(optimizer.param_groups)}: build the param groups as the saved run did")
+    groups, at = [], 0
+    for k, g in enumerate(optimizer.param_groups):
+        mine = order[at:at + len(g["params"])]
+        match = [s for s in saved_groups if sorted(s["params"]) == sorted(mine)]
+        if not match:
+            raise ValueError(f"param group {k} of this optimizer ({len(mine)} parameter(s): "
+                             f"{', '.join(mine[:3])}{', ...' if len(mine) > 3 else ''}) has no saved group with the "
+                             f"same parameters: build the param groups as the saved run did")
+        group = {**match[0], "params": list(range(at, at + len(mine)))}
+        if "param_names" in group:
+            group["param_names"] = list(mine)
+        groups.append(group)
+        at += len(mine)
+    index = {n: i for i, n in enumerate(order)}
+    extra = [n for n, st in state.items() if st and n not in index]
+    if extra:
+        raise ValueError(f"the saved optimizer state holds {', '.join(extra[:3])}, which this optimizer does not step")
+    return {"state": {index[n]: st for n, st in state.items() if st}, "param_groups": groups}
+
+
+def load_optimizer_state_dict(model: nn.Module, optimizer, state: dict) -> None:
+    """Load what optimizer_state_dict() returned -- saved at any world size and packing, by name -- or the same
+    with whole tensors (a full checkpoint)."""
+    hook = getattr(bare_module(model), "load_optimizer_state_dict", None)
+    if callable(hook):
+        hook(optimizer, state)
+        return
+    live = _live(model, optimizer)
+    sharded = callable(getattr(optimizer, "init_state", None))  # takes its own layouts and whole tensors
+    params = dict((n, p) for p, n in live)
+    converted = {}
+    for n, st in state["state"].items():
+        p = params.get(n)
+        if p is None or sharded:
+            converted[n] = st
+            continue
+        converted[n] = {k: like_param(v, p) if torch.is_tensor(v) and k != "step" and tuple(v.shape) == tuple(p.shape)
+                        else v for k, v in st.items()}
+    optimizer.load_state_dict(torch_layout(optimizer, [n for _, n in live], converted, state["param_groups"]))
+
+
+def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A state tensor in the layout of parameter p: a DTensor of p's mesh and placements when p is one (cut
+    from a whole tensor if need be); whole, on p's device, otherwise."""
+    if hasattr(p, "device_mesh"):
+        return t if hasattr(t, "to_local") else dtensor_like(t, p)
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.to(p.device)
+
+
+def dtensor_like(whole: torch.Tensor, like) -> torch.Tensor:
+    """`like`'s layout (a DTensor Shard(0) or Replicate on its mesh) filled from a whole tensor every rank has."""
+    from torch.distributed.tensor import DTensor, Shard
+    mesh, placements = like.device_mesh, like.placements
+    if tuple(whole.shape) != tuple(like.shape):
+        raise ValueError(f"a saved tensor has shape {tuple(whole.shape)}, the model's {tuple(like.shape)}")
+    local = whole
+    if placements and isinstance(placements[0], Shard):
+        dim, n, r = placements[0].dim, mesh.size(), mesh.get_local_rank()
+        size = -(-whole.shape[dim] // n)
+        a, b = min(r * size, whole.shape[dim]), min((r + 1) * size, whole.shape[dim])
+        local = whole.narrow(dim, a, b - a)
+    return DTensor.from_local(local.to(like.to_local().device).contiguous(), mesh, placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def clone(value):
+    """A copy of a state tree that training cannot change any more (DTensors stay DTensors: a local copy)."""
+    if isinstance(value, dict):
+        return {k: clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone(v) for v in value)
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    return value
