@@ -26,11 +26,20 @@ Two formats:
 Atomic: a checkpoint is written into `.tmp-step_XXXXXXXX-<id>/`, its files fsynced, the directory renamed
 to `step_XXXXXXXX/`, and only then `latest` (a one-line file, replaced by rename) points at it. A
 checkpoint is complete or absent; a killed save leaves a temporary directory that is ignored and removed
-by the next save.
+by the next save. Saving a step that exists (a resumed run repeating it) exchanges the two directories in
+one step (Linux's renameat2), so the step is always there, old or new.
+
+One run per folder: from its first save or resume, rank 0 holds `<directory>/LOCK` (host, process, torchrun
+run, run id); a manager that only finds or inspects checkpoints takes nothing. A second run is
+refused with the holder's name; the lock is taken over from this process, from the same torchrun run (a
+restart) and from a holder that died on this host (kill -9, then resume). A stale lock of another host is
+broken by removing the file. close() gives the folder up.
 
 Safe to load: files are read with weights_only=True (tensors and plain values only), and DCP's
 `.metadata`, which torch unpickles freely, is read by an unpickler that knows only DCP's metadata classes;
-anything else is refused before it runs.
+anything else is refused before it runs. Every file a load reads is one of the checkpoint's own regular
+files: a symbolic link, a FIFO or a device, or a storage entry naming a path outside, is refused (a crafted
+file could otherwise read any file as state, or block every rank). Writes never follow a symbolic link.
 
 Asynchronous saves copy the state in memory between steps and write it in the background: sharded, a thread
 lays the copy out and runs DCP's save on a process group of its own (its collectives cannot meet the
@@ -40,6 +49,7 @@ for the copy (and, full, the gather).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import functools
 import io
@@ -47,7 +57,10 @@ import json
 import os
 import pickle
 import shutil
+import socket
+import stat
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -68,6 +81,7 @@ from .state import dtensor_like
 STATE_FORMAT = 1  # bump when the saved layout changes; load() refuses another one with a clear message
 FORMATS = ("full", "sharded")
 STOPPED = "STOPPED"  # a run that stopped itself (non-finite loss) leaves its reason here
+LOCK = "LOCK"  # who holds the folder: one run at a time
 
 
 class CheckpointError(RuntimeError):
@@ -109,6 +123,24 @@ def signature(state: dict) -> dict:
     groups = [{"size": len(g["params"]), "kind": g.get("kind", "adamw" if "betas" in g else "other")}
               for g in state["optimizer"]["param_groups"]]
     return {"params": params, "param_groups": groups}
+
+
+def _tied(model: dict) -> dict[str, str]:
+    """name -> an earlier name of the same tensor (a tied parameter, which a state dict holds under each name):
+    entries whose local data is the same memory. Decide on rank 0 (a rank's shard of a small tensor may be empty
+    elsewhere) and share the answer."""
+    seen, out = {}, {}
+    for name, t in model.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if not torch.is_tensor(local) or local.numel() == 0:
+            continue
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(),
+               tuple(t.shape))
+        if key in seen:
+            out[name] = seen[key]
+        else:
+            seen[key] = name
+    return out
 
 
 def _described(meta: dict, state: dict) -> dict:
@@ -226,9 +258,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: Path):
-    """DCP's metadata of a sharded checkpoint, through the restricted unpickler."""
-    with open(Path(path) / ".metadata", "rb") as f:
-        return _MetadataUnpickler(f).load()
+    """DCP's metadata of a sharded checkpoint, through the restricted unpickler; every file it sends DCP to is
+    checked to be one of the checkpoint's own regular files (a crafted entry could name any file, or a FIFO that
+    blocks the read)."""
+    path = Path(path)
+    with open(_regular_file(path / ".metadata"), "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{path / '.metadata'} does not say where the checkpoint's data is: it was not "
+                              f"written by torch.distributed.checkpoint")
+    for rel in {getattr(info, "relative_path", None) for info in storage.values()}:
+        if not isinstance(rel, str) or not rel or rel != Path(rel).name or rel in (".", ".."):
+            raise CheckpointError(f"{path / '.metadata'} sends the load to {rel!r}, outside the checkpoint's own "
+                                  f"files: refusing it (the file may have been crafted)")
+        _regular_file(path / rel)
+    return metadata
 
 
 def _safe_reader(path: Path, metadata):
@@ -299,6 +344,102 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux's renameat2 with RENAME_EXCHANGE); False where the system or the file
+    system cannot."""
+    if sys.platform != "linux":
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Give directory `tmp` the name `final`. Where `final` exists (the same step saved again: a resumed run
+    repeating it), the two are exchanged in one step -- a reader finds the old checkpoint or the new one, never
+    neither -- and the old one, now under tmp's name, is removed. Where the system cannot exchange, the old one
+    is renamed aside first: for that moment find() falls back to the previous step."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    if _rename_exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # the old checkpoint (a .tmp-* name: the next save removes leftovers)
+        return
+    aside = final.with_name(f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(final, aside)
+    os.rename(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _regular_file(path: Path) -> Path:
+    """`path`, once it is known to be a regular file that is not a symbolic link: a checkpoint's reads never
+    follow a link out of it, and never open a FIFO or a device (the read would block, or never end)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing from the checkpoint") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror or e})") from None
+    if stat.S_ISLNK(mode):
+        raise CheckpointError(f"{path} is a symbolic link, which a checkpoint never holds: refusing to follow it "
+                              f"(it points at {os.readlink(path)!r})")
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path} is not a regular file (a directory, a FIFO or a device): refusing to read it")
+    return path
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (Linux: field 22 of /proc/<pid>/stat); None where that cannot be read. Tells a
+    live holder from a new process that happens to have a dead holder's pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _holder_of_this_process() -> dict:
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
+            "torchrun_run": run if run not in (None, "", "none") else None, "run_id": None,
+            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _read_lock(path: Path) -> dict:
+    try:
+        holder = json.loads(_regular_file(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        holder = None
+    if not isinstance(holder, dict):
+        raise CheckpointError(f"{path} does not say which run holds this folder: if no run uses it, remove {path}")
+    return holder
+
+
+def _alive(pid, started) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process, alive
+        return True
+    now = _process_start(pid)
+    return started is None or now is None or now == started
+
+
+def _may_take_over(holder: dict, me: dict) -> bool:
+    """This process, the same torchrun run (restarted), or a holder that died on this host."""
+    if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+        return True
+    if me["torchrun_run"] is not None and holder.get("torchrun_run") == me["torchrun_run"]:
+        return True
+    return holder.get("host") == me["host"] and not _alive(holder.get("pid"), holder.get("started"))
+
+
 def _crc32(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:
@@ -336,9 +477,7 @@ def verify(path: Path) -> dict:
         f = path / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"{meta_path} is corrupted: it names {name!r}, outside the checkpoint")
-        if not f.is_file():
-            raise CheckpointError(f"{f} is missing from the checkpoint")
-        size = f.stat().st_size
+        size = os.lstat(_regular_file(f)).st_size
         if size != want["bytes"]:
             raise CheckpointError(f"{f} is truncated or changed: {size} bytes, {want['bytes']} when it was saved")
         if _crc32(f) != want["crc32"]:
@@ -367,11 +506,14 @@ class CheckpointManager:
         self.record_fingerprint = record_fingerprint  # meta.json gets fingerprint(trainer): costs one gather
         self.group = Group.resolve(group)
         self._check_writable()
+        self._lock: dict | None = None
+        self._locked = False  # taken at the first save or resume: a manager that only looks takes nothing
         self._async_pg = None
         if async_save and self.group.size > 1 and format == "sharded":
             # the background save runs collectives: on a group of its own they cannot meet the training's.
             self._async_pg = dist.new_group(ranks=self.group.ranks, backend="gloo")
         self._pending: dict | None = None
+        self._pending_error: BaseException | None = None
         self.reports: list[SaveReport] = []
 
     def _agree(self, value):
@@ -393,13 +535,70 @@ class CheckpointManager:
         if problem:
             raise CheckpointError(problem)
 
+    # --- one run per folder ---------------------------------------------------------------------------
+
+    def _take_lock(self) -> None:
+        """Rank 0 takes the folder's LOCK (every rank learns the outcome), once: at the first save or resume. A folder is held by one run: two runs
+        in one folder would resume each other's steps, delete each other's saves and prune across runs. The lock
+        is taken over from a holder that is this process, that belongs to the same torchrun run (a restart), or
+        that is dead on this host (a run killed by SIGKILL, resumed). Otherwise: a CheckpointError naming it."""
+        if self._locked:
+            return
+        problem = None
+        if self.group.is_main:
+            try:
+                self._lock = self._acquire()
+            except CheckpointError as e:
+                problem = str(e)
+        problem = self._agree(problem)
+        if problem:
+            raise CheckpointError(problem)
+        self._locked = True
+
+    def _acquire(self) -> dict:
+        path, me = self.directory / LOCK, _holder_of_this_process()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if not _may_take_over(holder, me):
+                raise CheckpointError(
+                    f"the checkpoint folder {self.directory} is in use by another run: process {holder.get('pid')} "
+                    f"on {holder.get('host')} (run {holder.get('run_id') or 'not yet named'}, since "
+                    f"{holder.get('since')}) holds {path}. Give each run its own folder (--checkpoint-dir); if that "
+                    f"run is over, remove {path} and start again") from None
+            _write_json(path, me)  # taken over: a new file renamed over the old one
+            return me
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return me
+
+    def _name_run(self, run_id: str) -> None:
+        """Rank 0: the lock names the run once the manager knows it (at the first save)."""
+        if self._lock is not None and self._lock.get("run_id") != run_id:
+            self._lock = {**self._lock, "run_id": run_id}
+            _write_json(self.directory / LOCK, self._lock)
+
+    def release(self) -> None:
+        """Give the folder up (rank 0 removes the LOCK, if it is still this process's). close() does it."""
+        if self._lock is None:
+            return
+        path = self.directory / LOCK
+        try:
+            if _read_lock(path).get("pid") == self._lock["pid"] and _read_lock(path).get("host") == self._lock["host"]:
+                path.unlink()
+        except (CheckpointError, OSError):
+            pass  # gone already, or another's now: not ours to remove
+        self._lock, self._locked = None, False
+
     # --- finding --------------------------------------------------------------------------------------
 
     def complete(self) -> list[Path]:
         """Committed checkpoints, oldest first (by step)."""
         if not self.directory.is_dir():
             return []
-        return sorted((p for p in self.directory.glob("step_*") if p.is_dir() and (p / "meta.json").exists()),
+        return sorted((p for p in self.directory.glob("step_*")  # a linked step would lead reads out of here
+                       if p.is_dir() and not p.is_symlink() and os.path.lexists(p / "meta.json")),
                       key=lambda p: p.name)
 
     def latest(self) -> Path | None:
@@ -473,6 +672,7 @@ class CheckpointManager:
         """Save the trainer's whole state as step_<step>. Every rank calls it between steps. Synchronous: returns
         once the checkpoint is committed. Asynchronous: returns after the snapshot; wait() commits."""
         self.wait()  # one save at a time: the previous one is committed first
+        self._take_lock()
         t0 = time.perf_counter()
         name = f"step_{trainer.step:08d}"
         tmp = None
@@ -482,6 +682,8 @@ class CheckpointManager:
             tmp = self.directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
         tmp = Path(self._agree(str(tmp)))
+        if self.group.is_main:
+            self._name_run(trainer.run_id)
         meta = self._meta(trainer)
         if self.record_fingerprint:
             meta["fingerprint"] = fingerprint(trainer)
@@ -489,19 +691,14 @@ class CheckpointManager:
             state = trainer.state_dict()
             meta = _described(meta, state)
             full = _gather_full(state, self.group)
-            if self.group.is_main:
-                if self.async_save:
-                    thread = threading.Thread(target=self._write_full_and_commit, args=(full, tmp, name, meta),
-                                              daemon=True)
-                    thread.start()
-                    self._pending = {"thread": thread}
-                else:
-                    self._write_full_and_commit(full, tmp, name, meta)
+            if self.async_save:  # rank 0 writes in the background; every rank waits for it in wait()
+                self._pending = {"thread": self._background(self._write_full_and_commit, full, tmp, name, meta)
+                                 if self.group.is_main else None}
+            elif self.group.is_main:
+                self._write_full_and_commit(full, tmp, name, meta)
         elif self.async_save:  # copy now; lay out, write and commit in the background, on a group of its own
             finish = trainer.state_snapshot()
-            thread = threading.Thread(target=self._save_sharded, args=(finish, tmp, name, meta, True), daemon=True)
-            thread.start()
-            self._pending = {"thread": thread}
+            self._pending = {"thread": self._background(self._save_sharded, finish, tmp, name, meta, True)}
         else:
             self._save_sharded(lambda group=None: trainer.state_dict(), tmp, name, meta, False)
         if not self.async_save:
@@ -521,25 +718,33 @@ class CheckpointManager:
 
     def _save_sharded(self, finish, tmp: Path, name: str, meta: dict, background: bool) -> None:
         """Every rank writes its part with DCP; rank 0, once DCP's last step (it gathers every rank's result)
-        is done, commits. In the background: on the manager's own process group, failures kept for wait()."""
+        is done, commits. In the background (background=True): on the manager's own process group."""
         from torch.distributed.checkpoint import FileSystemWriter
         import torch.distributed.checkpoint as dcp
         group = Group.of(self._async_pg) if background and self._async_pg is not None else self.group
-        try:
-            state = finish(group)
-            meta = _described(meta, state)
-            with _one_process_is_fine():
-                try:
-                    dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
-                             process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
-                except _dcp_error() as e:
-                    raise CheckpointError(f"saving {self.directory / name} failed: {_dcp_cause(e)}") from e
-            if self.group.is_main:
-                self._commit(tmp, name, meta)
-        except BaseException as e:  # the save failed: no commit, the temporary directory stays to be cleaned
-            if not background:
-                raise
-            self._pending_error = e
+        state = finish(group)
+        meta = _described(meta, state)
+        with _one_process_is_fine():
+            try:
+                dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
+                         process_group=group.pg if group.size > 1 else None, no_dist=group.size == 1)
+            except _dcp_error() as e:
+                raise CheckpointError(f"saving {self.directory / name} failed: {_dcp_cause(e)}") from e
+        if self.group.is_main:  # a failure before this leaves the temporary directory, for the next save to clean
+            self._commit(tmp, name, meta)
+
+    def _background(self, fn, *args) -> threading.Thread:
+        """fn(*args) in a thread; what it raises is kept for wait()."""
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 -- wait() reports it on every rank
+                self._pending_error = e
+
+        self._pending_error = None
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
 
     def _commit(self, tmp: Path, name: str, meta: dict) -> None:
         """Rank 0: checksums into meta.json, fsync, rename into place, point `latest` at it, drop the oldest."""
@@ -549,10 +754,7 @@ class CheckpointManager:
                 _fsync(f)
         _write_json(tmp / "meta.json", meta)
         _fsync(tmp)
-        final = self.directory / name
-        if final.exists():  # the same step saved again (a resumed run repeating it): the new one replaces it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _swap_in(tmp, self.directory / name)
         _fsync(self.directory)
         pointer_tmp = self.directory / f".latest.{uuid.uuid4().hex[:8]}"
         with open(pointer_tmp, "w") as f:
@@ -565,25 +767,31 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
-        """Until the asynchronous save in flight (if any) is written and committed."""
+        """Until the asynchronous save in flight (if any) is written and committed -- on every rank: all ranks
+        call it, and it returns on none before rank 0 has committed (or raises on all of them, with the cause,
+        if any rank's part failed)."""
         pending, self._pending = self._pending, None
         if not pending:
             return
-        pending["thread"].join()
-        error = getattr(self, "_pending_error", None)
+        if pending["thread"] is not None:
+            pending["thread"].join()
+        error, self._pending_error = self._pending_error, None
         if error is not None:
-            self._pending_error = None
             cause = _dcp_cause(error) if isinstance(error, _dcp_error()) else error
-            raise CheckpointError(f"the asynchronous save failed: {cause}") from error
+            error = CheckpointError(f"the asynchronous save failed: {cause}")
+        _agree_ok(self.group, error, "the asynchronous save")
 
     def close(self) -> None:
+        """Commit the save in flight and give the folder up."""
         self.wait()
+        self.release()
 
     # --- loading --------------------------------------------------------------------------------------
 
     def resume(self, trainer, spec: str | os.PathLike | None = "auto") -> Path | None:
         """Load the checkpoint `spec` names (see find) into the trainer; None, with a message, if there is none.
         A run that stopped itself (a non-finite loss) left its reason: resuming it stops at once, with it."""
+        self._take_lock()
         path = self.find(spec)
         if path is None:
             if spec not in (None, "none"):
@@ -626,7 +834,7 @@ def _check_format(meta: dict) -> None:
                               f"{STATE_FORMAT} (nanodist {__version__}). Load it with the code that wrote it.")
 
 
-def _check_compatible(meta: dict, template: dict, trainer) -> None:
+def _check_compatible(meta: dict, template: dict, trainer, tied: dict) -> None:
     """The saved signature against the live state's (what the saved values are about to go into)."""
     saved = meta.get("signature")
     if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict):
@@ -636,6 +844,8 @@ def _check_compatible(meta: dict, template: dict, trainer) -> None:
     problems = []
     for name in sorted(set(saved["params"]) | set(mine["params"])):
         a, b = saved["params"].get(name), mine["params"].get(name)
+        if a is None and tied.get(name) in saved["params"]:
+            continue  # a tied parameter saved under one of its names (nanodist's FSDP before it kept both)
         if a is None:
             problems.append(f"the model has {name} {b[0]}, the checkpoint does not")
         elif b is None:
@@ -680,8 +890,13 @@ def load(path, trainer, group=None, verify_files: bool = True) -> dict:
         error = e
     _agree_ok(group, error, f"loading {path}")
     template = trainer.state_dict()  # the live state (nanodist.state's layout): what the saved values go into
+    everywhere = group.broadcast_object(_tied(template["model"]) if group.is_main else None)
+    tied = {}
     try:
-        _check_compatible(meta, template, trainer)
+        _check_compatible(meta, template, trainer, everywhere)
+        tied = {n: first for n, first in everywhere.items() if n not in meta["signature"]["params"]}
+        for name in tied:  # saved under its other name only: loaded from there
+            template["model"].pop(name)
         if meta["format"] == "sharded":  # the optimizer's entries as the checkpoint describes them
             template["optimizer"] = _optimizer_template(dcp_meta, template)
     except Exception as e:  # noqa: BLE001
@@ -690,7 +905,7 @@ def load(path, trainer, group=None, verify_files: bool = True) -> dict:
     if meta["format"] == "full":
         try:
             try:
-                saved = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+                saved = torch.load(_regular_file(path / "state.pt"), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 -- any failure to read is this file's fault: say which
                 raise CheckpointError(f"cannot read {path / 'state.pt'}: {type(e).__name__}: {str(e)[:300]}") from e
             state = _localize(saved, template)
@@ -708,6 +923,8 @@ def load(path, trainer, group=None, verify_files: bool = True) -> dict:
         except (Exception, _dcp_error()) as e:  # DCP gathers every rank's failure and raises it on all of them
             raise CheckpointError(f"cannot load the sharded checkpoint {path}: {_dcp_cause(e)}") from e
         state = template
+    for name, first in tied.items():
+        state["model"][name] = state["model"][first]
     try:
         trainer.load_state_dict(state)
     except Exception as e:  # noqa: BLE001
@@ -719,10 +936,10 @@ def load(path, trainer, group=None, verify_files: bool = True) -> dict:
 def read_meta(path) -> dict:
     """A checkpoint's meta.json (plain JSON: safe to read from anywhere)."""
     f = Path(path) / "meta.json"
+    if not os.path.lexists(f):
+        raise CheckpointError(f"{path} is not a complete checkpoint: it has no meta.json")
     try:
-        meta = json.loads(f.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a complete checkpoint: it has no meta.json") from None
+        meta = json.loads(_regular_file(f).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f} is corrupted ({e})") from None
     except OSError as e:  # a directory named meta.json, a file that cannot be read
@@ -734,7 +951,8 @@ def read_meta(path) -> dict:
 
 def fingerprint(trainer) -> str:
     """SHA-256 of every parameter and optimizer-state tensor, whole and by name: equal for two runs exactly when
-    their states are bitwise equal, whatever the world size or the layout of the shards. A collective."""
+    their states are bitwise equal, whatever the world size, the wrapper or the layout of the shards (every
+    wrapper's state holds a tied parameter under each of its names). A collective."""
     import hashlib
     full = _gather_full(trainer.state_dict(), trainer.group)
     digest = None

@@ -150,6 +150,11 @@ class _SyncBase(nn.Module):
     def _set_sync(self, sync: bool) -> None:
         """The wrapper's own reaction to require_sync changing."""
 
+    @property
+    def state_module(self) -> nn.Module:
+        """Whose parameter names a training state uses (nanodist.state): the wrapped module's, no "module."."""
+        return self.module
+
     def state_dict(self, *args, **kwargs):  # checkpoints hold the bare module's names, no "module." prefix
         return self.module.state_dict(*args, **kwargs)
 

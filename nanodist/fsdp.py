@@ -431,12 +431,9 @@ class FSDP(nn.Module):
             full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
             all_gather(full.view(self.world_size, unit.shard_numel), unit.shard, self.group, ring=False).wait()
             if self.group.is_main:
-                for name, o, shape, homes in zip(unit.names, unit.offsets, unit.shapes, unit.homes):
-                    t = full[o:o + shape.numel()].view(shape).clone()
-                    out[name] = t
-                    for m, attr in homes:  # a tied parameter under each of its names, as module.state_dict() has it
-                        alias = next((n for n, mm in self.module.named_modules() if mm is m), "")
-                        out[(alias + "." if alias else "") + attr] = t
+                for name, o, shape in zip(unit.names, unit.offsets, unit.shapes):
+                    out[name] = full[o:o + shape.numel()].view(shape).clone()
+        out.update({alias: out[name] for alias, name in self._aliases().items() if name in out})
         return {k: out[k] for k in sorted(out)} if self.group.is_main else {}
 
     @torch.no_grad()
@@ -528,6 +525,19 @@ class FSDP(nn.Module):
         out = {}
         for unit in self.units:
             out.update(self._to_param_layout(unit, unit.shard))
+        return {**out, **{alias: out[name] for alias, name in self._aliases().items()}}
+
+    def _aliases(self) -> dict[str, str]:
+        """A tied parameter's other names -> its own (the bare module's state_dict() holds it under each: so do
+        this FSDP's state dicts, and a checkpoint maps between the wrappers name for name)."""
+        where = {id(m): n for n, m in self.module.named_modules()}
+        out = {}
+        for unit in self.units:
+            for name, homes in zip(unit.names, unit.homes):
+                for m, attr in homes:
+                    alias = (where[id(m)] + "." if where[id(m)] else "") + attr
+                    if alias != name:
+                        out[alias] = name
         return out
 
     @torch.no_grad()
@@ -566,6 +576,7 @@ class FSDP(nn.Module):
             model = {}
             for unit, flat in zip(self.units, shards):
                 model.update(self._to_param_layout(unit, flat, group=group))
+            model.update({alias: model[name] for alias, name in self._aliases().items()})
             return model, (self._optimizer_layout(opt, group) if opt is not None else None)
 
         return layout

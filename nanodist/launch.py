@@ -4,7 +4,12 @@
     run.results["metrics"]                               # what rank 0 wrote (see nanodist.results)
 
 What it guarantees:
-- a free loopback port per launch, so two launches never collide ("Address already in use");
+- a free port per launch, so two launches never collide ("Address already in use"). The ranks meet at
+  127.0.0.1, but the rendezvous store that torchrun's agent starts on that port listens on every network
+  interface -- torch binds its TCPStore to all of them and has no option to do otherwise
+  (pytorch/pytorch#173909) -- and asks no credentials: while a launch runs, anyone who can reach this
+  machine on that port can read and write the run's keys. Launch on a machine whose firewall keeps the
+  network out of unprivileged ports, or inside a private network (a container's own network namespace);
 - every line the ranks print, streamed live with a `[rankN]:` prefix;
 - on failure, a LaunchError naming the rank torchrun found failing first, how it ended (exit code or
   signal) and what it said last: its traceback, or an argparse "error:" line (a notebook cell fails

@@ -280,6 +280,7 @@ def init(backend: str | None = None, device: str | torch.device | None = None, s
         one = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout, **one)
     else:
+        _die_with_launcher()
         _rendezvous(backend, env, dev, pg_timeout)
     _owns_group = True
     _group.set_world_device(dev)
@@ -292,6 +293,22 @@ def init(backend: str | None = None, device: str | torch.device | None = None, s
 
 
 WAIT_NOTICE_S = 10.0  # a rank still waiting for its peers says so after this long, and every 30 s after
+
+
+def _die_with_launcher() -> None:
+    """A launched rank (torchrun's worker) asks the kernel for SIGTERM when its parent -- the torchrun agent --
+    dies (Linux's PR_SET_PDEATHSIG): an agent killed by SIGKILL runs no clean-up, and its workers would train on
+    to the end. (nanodist.launch guards its own tree the same way, through nanodist.reaper.) Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the signal was armed
+        raise DistConfigError("this rank's launcher (torchrun's agent) has already exited: stopping")
 
 
 def _rendezvous(backend: str, env: dict, dev: torch.device, timeout: datetime.timedelta) -> None:

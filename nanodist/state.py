@@ -17,6 +17,8 @@ world size, on how a wrapper packs its parameters or on the order of a param gro
   to live groups, by name: never by position.
 
 What a wrapper or an optimizer provides to take part (duck-typed; nothing here knows their classes):
+- a wrapper that only wraps (replicates, averages gradients) names the module it wraps as `state_module`:
+  its names, not the wrapper's `module.`-prefixed ones, are the state's (nanodist's DDP does);
 - a model whose parameters, as the optimizer sees them, are not in the layout above (nanodist.FSDP's flat
   shards) provides `optimizer_state_dict(optimizer)` and `load_optimizer_state_dict(optimizer, state)` in the
   layout above, and may provide `state_snapshot(optimizer)` (copy now, lay out later: asynchronous saves);
@@ -32,11 +34,13 @@ import torch.nn as nn
 
 
 def bare_module(model: nn.Module) -> nn.Module:
-    """The module whose parameter names are the bare model's: through torch DDP (`.module`) and torch.compile
-    (`._orig_mod`), in any nesting."""
+    """The module whose parameter names are the bare model's: through torch DDP (`.module`), torch.compile
+    (`._orig_mod`) and any wrapper that names it as its `state_module` (nanodist's DDP), in any nesting."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
+        elif isinstance(getattr(model, "state_module", None), nn.Module):  # a wrapper that says whose names count
+            model = model.state_module
         elif hasattr(torch, "_dynamo") and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             model = model._orig_mod
         else:

@@ -7,8 +7,9 @@
 
     outs = spawn(check, world_size=3, args=(10,), timeout=60)   # [rank0's value, rank1's, rank2's]
 
-Faster than torchrun (no agent), and as strict: a rank that raises fails the call with that rank's
-traceback; a run past `timeout` seconds is killed, every process, and raises TimeoutError.
+Faster than torchrun (no agent; workers forked from a server that imported torch once, so a worker starts in
+a fraction of a second instead of importing torch anew), and as strict: a rank that raises fails the call with
+that rank's traceback; a run past `timeout` seconds is killed, every process, and raises TimeoutError.
 
 `within(label, got, want, rel, why)` is how an equivalence test compares floating-point results: the tolerance comes
 with its reason, the assertion names the worst element, and with NANODIST_SPREAD_LOG set every comparison also
@@ -60,12 +61,25 @@ def _worker(fn, rank, world_size, port, backend, args, kwargs, results, timeout)
     results.join_thread()
 
 
+def _context():
+    """Fresh interpreters, as "spawn" gives, without paying torch's import in each: where the platform has it, a
+    fork server that has imported torch and nanodist once forks every worker (nothing has run in it: no
+    threads, no CUDA, no process group). Elsewhere (Windows), "spawn". NANODIST_SPAWN=spawn forces the latter."""
+    method = os.environ.get("NANODIST_SPAWN", "forkserver")
+    if method not in mp.get_all_start_methods():
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "nanodist", "nanodist.testing"])
+    return ctx
+
+
 def spawn(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, timeout: float = 120,
           backend: str = "gloo") -> list[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` processes; return their values by rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, args, kwargs or {}, results,

@@ -5,6 +5,8 @@ import argparse
 import json
 import os
 import pickle
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import nanodist as nd
-from nanodist import experiment
+from nanodist import checkpoint, experiment
 from nanodist.checkpoint import (STATE_FORMAT, CheckpointError, CheckpointManager, fingerprint, load, read_meta,
                                  verify)
 from nanodist.group import Group
@@ -182,7 +184,6 @@ def test_keep_k_latest_and_the_files_are_checksummed(saved):
 
 
 def _damaged_copy(saved, tmp_path, fmt):
-    import shutil
     d = tmp_path / fmt
     shutil.copytree(saved / fmt, d)
     newest = d / "step_00000006"
@@ -261,7 +262,6 @@ class _RunsCode:
 
 
 def test_a_crafted_pickle_is_refused_and_never_runs(saved, tmp_path):
-    import shutil
     marker = tmp_path / "pwned"
     # sharded: DCP's .metadata replaced by a pickle that calls os.system
     d = tmp_path / "sharded"
@@ -296,7 +296,6 @@ def test_a_checkpoint_of_another_model_optimizer_or_format_is_refused_saying_wha
         load(step, other.trainer)
     with pytest.raises(CheckpointError, match=r"holds the state of AdamW.*this run uses ShardedOptimizer"):
         load(step, make_run("none", "dist-muon").trainer)
-    import shutil
     shutil.copytree(step, tmp_path / "old")
     meta = read_meta(tmp_path / "old")
     meta["state_format"] = STATE_FORMAT + 1
@@ -343,7 +342,6 @@ def test_the_lab_restarted_after_a_nan_stop_stops_at_once(tmp_path):
 def test_a_damaged_latest_pointer_or_meta_falls_back_to_an_intact_checkpoint(saved, tmp_path):
     """A binary `latest`, a directory named `latest`, or a newest step whose meta.json holds `[]`: find() warns and
     takes the newest intact checkpoint instead of crashing (on main before this, each was a raw traceback)."""
-    import shutil
     for case in ("binary latest", "directory latest", "meta.json []"):
         d = tmp_path / case.replace(" ", "-")
         shutil.copytree(saved / "full", d)
@@ -413,3 +411,234 @@ def test_a_failure_inside_dcp_is_a_checkpoint_error_carrying_its_cause(saved, tm
     with pytest.raises(CheckpointError, match=r"cannot load the sharded checkpoint .*: rank 0: EOFError") as e:
         load(d / "step_00000006", make_run().trainer, verify_files=False)
     assert isinstance(e.value, Exception)
+
+
+# ----------------------------------------------------------------------------- reads stay inside, never block
+
+def _rewrite_metadata(step: Path, change) -> None:
+    """An attacker's edit of a sharded checkpoint: DCP's .metadata changed (read with torch's own unpickler, which
+    trusts it), and meta.json's checksums made to agree, so that only the loader's own checks stand."""
+    meta_file = step / ".metadata"
+    with open(meta_file, "rb") as f:
+        metadata = pickle.load(f)
+    change(metadata)
+    with open(meta_file, "wb") as f:
+        pickle.dump(metadata, f)
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"][".metadata"] = {"bytes": meta_file.stat().st_size, "crc32": checkpoint._crc32(meta_file)}
+    (step / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", ["absolute", "parent", "fifo", "link"])
+def test_a_crafted_metadata_never_reads_outside_the_checkpoint_or_blocks(saved, tmp_path, target):
+    d, _ = _damaged_copy(saved, tmp_path, "sharded")
+    step = d / "step_00000006"
+    secret = tmp_path / "secret.txt"
+    secret.write_text("run_id: someone else's")
+    if target in ("absolute", "parent"):
+        where = str(secret) if target == "absolute" else "../../secret.txt"
+
+        def change(metadata):
+            for info in metadata.storage_data.values():
+                info.relative_path = where
+        _rewrite_metadata(step, change)
+        says = "outside the checkpoint's own files"
+    else:  # the data file itself replaced by a FIFO (the read would block forever) or a link out of the checkpoint
+        data = next(step.glob("*.distcp"))
+        data.unlink()
+        if target == "fifo":
+            os.mkfifo(data)
+            says = "not a regular file"
+        else:
+            data.symlink_to(secret)
+            says = "is a symbolic link"
+    for verify_files in (True, False):  # refused by the checksums' pass, and by the loader itself
+        with pytest.raises(CheckpointError, match=says):
+            load(step, make_run().trainer, verify_files=verify_files)
+    if target == "fifo":  # meta.json a FIFO: find() passes over it to the intact step 4, without blocking
+        meta = step / "meta.json"
+        meta.unlink()
+        os.mkfifo(meta)
+        with pytest.warns(UserWarning, match="not a regular file"):
+            assert CheckpointManager(d).find("auto") == d / "step_00000004"
+
+
+def test_a_step_folder_linked_from_elsewhere_is_not_a_checkpoint_of_this_folder(saved, tmp_path):
+    d, _ = _damaged_copy(saved, tmp_path, "full")
+    outside = tmp_path / "elsewhere"
+    (d / "step_00000006").rename(outside)
+    (d / "step_00000009").symlink_to(outside)
+    (d / "latest").write_text("step_00000009\n")
+    assert CheckpointManager(d).find("auto") == d / "step_00000004"
+
+
+# ----------------------------------------------------------------------------- asynchronous saves, re-saves
+
+def async_wait_worker(rank, world, directory):
+    """After wait(), every rank finds the checkpoint just saved (before, only rank 0 had committed it); a failure of
+    rank 0's commit is raised by wait() on every rank."""
+    found = []
+    for fmt in ("full", "sharded"):
+        mgr = CheckpointManager(Path(directory) / fmt, format=fmt, async_save=True, keep=2)
+        run = make_run("nanodist-pg", "adamw")
+        for _ in range(5):
+            run.trainer.fit(max_steps=1)
+            mgr.save(run.trainer)
+            mgr.wait()
+            latest = mgr.latest()
+            found.append(latest is not None and latest.name == f"step_{run.trainer.step:08d}")
+        if rank == 0:
+            def broken(*args):
+                raise OSError(28, "No space left on device (simulated)")
+            mgr._commit = broken
+        run.trainer.fit(max_steps=1)
+        mgr.save(run.trainer)
+        try:
+            mgr.wait()
+            found.append("no error")
+        except CheckpointError as e:
+            found.append(str(e))
+    return found
+
+
+@pytest.mark.dist
+def test_wait_returns_when_the_asynchronous_save_is_committed_on_every_rank(tmp_path):
+    for rank, found in enumerate(spawn(async_wait_worker, 2, args=(str(tmp_path),), timeout=120)):
+        for fmt, part in (("full", found[:6]), ("sharded", found[6:])):
+            assert part[:5] == [True] * 5, (rank, fmt, part)
+            assert "failed on rank 0" in part[5] and "No space left on device" in part[5], (rank, fmt, part[5])
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_saving_a_step_again_replaces_it_in_one_step(tmp_path, fmt, monkeypatch):
+    """A resumed run saving a step that exists: at every file operation of the commit, the step is there (old or
+    new), and afterwards it is the new one."""
+    mgr = CheckpointManager(tmp_path, format=fmt, record_fingerprint=True)
+    run = make_run()
+    run.trainer.fit(max_steps=2)
+    mgr.save(run.trainer)
+    old = read_meta(tmp_path / "step_00000002")["fingerprint"]
+    with torch.no_grad():
+        next(run.model.parameters()).add_(1.0)  # the same step, another state
+    seen = []
+
+    def spy(fn):
+        def call(*args, **kwargs):
+            seen.append(os.path.isfile(tmp_path / "step_00000002" / "meta.json"))
+            out = fn(*args, **kwargs)
+            seen.append(os.path.isfile(tmp_path / "step_00000002" / "meta.json"))
+            return out
+        return call
+
+    for name in ("rename", "replace"):
+        monkeypatch.setattr(checkpoint.os, name, spy(getattr(os, name)))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", spy(shutil.rmtree))
+    monkeypatch.setattr(checkpoint, "_rename_exchange", spy(checkpoint._rename_exchange))
+    mgr.save(run.trainer)
+    assert seen and all(seen), seen
+    assert read_meta(tmp_path / "step_00000002")["fingerprint"] not in (old, None)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+# ----------------------------------------------------------------------------- across wrappers
+
+CROSS = [("nanodist-pg", "adamw"), ("fsdp", "adamw"), ("fsdp2", "adamw")]
+
+
+def cross_worker(rank, world, directory, old_fsdp):
+    """Saved by each wrapper at W = 2, loaded into every other: the state is the saved one, name for name (the
+    fingerprint is of whole tensors by name). old_fsdp: nanodist.FSDP's checkpoints as they were before they kept
+    a tied parameter under each of its names."""
+    from nanodist.fsdp import FSDP
+    aliases = FSDP._aliases
+    out = {}
+    for fmt in ("sharded", "full"):
+        for src in CROSS:
+            d = Path(directory) / f"{fmt}-{src[0]}"
+            mgr = CheckpointManager(d, format=fmt)
+            a = make_run(*src)
+            a.trainer.fit(max_steps=2)
+            if old_fsdp:  # saved by the code before: the tied lm_head.weight only under wte.weight
+                FSDP._aliases = lambda self: {}
+            mgr.save(a.trainer)
+            FSDP._aliases = aliases
+            saved = fingerprint(a.trainer)  # this code's, whatever code saved the checkpoint
+            for dst in CROSS:
+                b = make_run(*dst)
+                try:
+                    load(d / "step_00000002", b.trainer)
+                    out[fmt, src[0], dst[0]] = saved == fingerprint(b.trainer)
+                except CheckpointError as e:
+                    out[fmt, src[0], dst[0]] = str(e)[:300]
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("old_fsdp", [False, True])
+def test_a_checkpoint_loads_into_any_other_wrapper(tmp_path, old_fsdp):
+    for rank_out in spawn(cross_worker, 2, args=(str(tmp_path), old_fsdp), timeout=120):
+        assert len(rank_out) == 2 * len(CROSS) ** 2
+        wrong = {k: v for k, v in rank_out.items() if v is not True}
+        assert not wrong, wrong
+
+
+# ----------------------------------------------------------------------------- one run per folder
+
+def _lock_as(directory: Path, **holder) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    base = {"host": socket.gethostname(), "pid": os.getpid(), "started": None, "torchrun_run": None,
+            "run_id": "run-A", "since": "2026-11-25T00:00:00+00:00"}
+    (directory / "LOCK").write_text(json.dumps({**base, **holder}))
+
+
+def test_a_folder_belongs_to_one_run_at_a_time(tmp_path, monkeypatch):
+    """A live run elsewhere holds the folder: refused, naming it and how to break a stale lock. Taken over from a
+    holder that died on this host (kill -9, then resume), from the same torchrun run (a restart) and by this very
+    process; never from another host. close() gives the folder up."""
+    trainer = make_run().trainer
+
+    def claim(directory):  # the first save or resume takes the folder; constructing a manager takes nothing
+        mgr = CheckpointManager(directory)
+        mgr.resume(trainer, "none")
+        return mgr
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        _lock_as(tmp_path / "a", pid=live.pid)
+        with pytest.raises(CheckpointError, match=rf"in use by another run: process {live.pid} on .*run-A.*remove "):
+            claim(tmp_path / "a")
+        assert CheckpointManager(tmp_path / "a").find("auto") is None  # looking is not taking
+        _lock_as(tmp_path / "b", pid=live.pid, host="another-host")
+        with pytest.raises(CheckpointError, match="in use by another run"):
+            claim(tmp_path / "b")
+        _lock_as(tmp_path / "c", pid=dead.pid)
+        mgr = claim(tmp_path / "c")
+        assert json.loads((tmp_path / "c" / "LOCK").read_text())["pid"] == os.getpid()
+        mgr.close()
+        assert not (tmp_path / "c" / "LOCK").exists()
+        _lock_as(tmp_path / "d", pid=live.pid, torchrun_run="job-7")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+        claim(tmp_path / "d")  # the same torchrun run, restarted
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id names no run
+        _lock_as(tmp_path / "e", pid=live.pid, torchrun_run="none")
+        with pytest.raises(CheckpointError, match="in use by another run"):
+            claim(tmp_path / "e")
+    finally:
+        live.kill()
+        live.wait()
+    first = claim(tmp_path / "f")
+    claim(tmp_path / "f")  # this process again (a notebook making a second manager)
+    trainer.fit(max_steps=1)
+    first.save(trainer)
+    assert json.loads((tmp_path / "f" / "LOCK").read_text())["run_id"] == trainer.run_id
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "LOCK").symlink_to(tmp_path / "f" / "LOCK")
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        claim(tmp_path / "g")
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "LOCK").write_bytes(b"\x00\xff")
+    with pytest.raises(CheckpointError, match="does not say which run holds this folder"):
+        claim(tmp_path / "h")

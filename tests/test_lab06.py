@@ -101,7 +101,7 @@ def exactly_once(segments: list[dict]) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("impl", ["zero", "fsdp", "fsdp2"])
+@pytest.mark.parametrize("impl", ["zero", "fsdp2"])  # nanodist.FSDP: Chapter 6 runs 2 -> 3 -> 1 and asserts it
 def test_a_sharded_checkpoint_reshards_from_2_to_3_to_1_ranks(root, impl):
     base = straight(root, impl)
     first = root / f"straight-{impl}" / "step_00000004"

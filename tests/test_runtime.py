@@ -256,3 +256,45 @@ def test_a_script_that_ends_on_a_set_up_error_prints_one_line():
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 1 and len(lines) == 1, out.stderr
     assert lines[0].startswith("nanodist: backend 'nccl' needs") and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_rank_dies_with_its_torchrun_agent(tmp_path):
+    """A plain torchrun (no nanodist.launch around it) whose agent is killed by SIGKILL: its workers, which called
+    nd.init(), stop within seconds instead of training on to the end."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, time\nimport nanodist as nd\nnd.init()\n"
+                      f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
+                      ".write(str(os.getpid()))\ntime.sleep(100)\n")
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                              "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = [int(f.read_text()) for f in tmp_path.glob("pid*") if f.read_text()]
+        assert len(pids) == 2, "the two workers did not start within 60 s"
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if _running(p)], "workers outlived their killed agent by 10 s"
+    finally:
+        for p in pids + [agent.pid]:
+            try:
+                os.kill(p, 9)
+            except OSError:
+                pass
+        agent.wait()
+
+
+def _running(pid: int) -> bool:
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
