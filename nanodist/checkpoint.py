@@ -617,9 +617,16 @@ class CheckpointManager:
         """The checkpoint `spec` names: "auto" (the newest good one, falling back past damaged ones with a
         warning), a path, or "none"/None (start fresh). Decided on rank 0 and agreed by every rank. A run that
         stopped itself (a non-finite loss) left its reason beside the checkpoints: finding one raises it."""
-        if spec is None or str(spec) == "none":
+        fresh = spec is None or str(spec) == "none"
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+        if fresh and not restarted:  # a new run, starting fresh: a reason left by an earlier run is not its own
+            if self.group.is_main and os.path.lexists(self.directory / STOPPED) and \
+                    not (self.directory / STOPPED).is_dir():
+                print0(f"starting fresh: removing {self.directory / STOPPED} left by an earlier run")
+                (self.directory / STOPPED).unlink()
             return None
-        # a restarted group must not walk into the same NaN again; rank 0 reads, every rank raises
+        # a restarted group must not walk into the same NaN again (even one that starts fresh each attempt: it
+        # would retrain to the NaN on every restart); rank 0 reads, every rank raises
         reason, problem = None, None
         if self.group.is_main:
             try:
@@ -632,6 +639,8 @@ class CheckpointManager:
         if reason is not None:
             raise CheckpointError(f"this run stopped itself earlier and was not restarted: {reason} (remove "
                                   f"{self.directory / STOPPED} to resume anyway, or start fresh with --resume none)")
+        if fresh:
+            return None
         choice = None
         if self.group.is_main:
             if str(spec) == "auto":

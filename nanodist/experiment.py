@@ -117,7 +117,10 @@ def start(parser: argparse.ArgumentParser, args, *, min_steps: int = WARMUP_STEP
           extra_check=None) -> runtime.DistInfo:
     """Check the flags and the results folder before any process group starts (a bad flag costs nothing and
     prints one line), then nanodist.init(). `extra_check(args, world_size)` adds a lab's own checks."""
-    env = runtime.read_env()
+    try:
+        env = runtime.read_env()
+    except runtime.DistConfigError as e:  # a partial torchrun environment: one line, as for a bad flag
+        parser.exit(2, f"{parser.prog}: {e}\n")
     world = env["world_size"] if env else 1
     problem = check_args(args, world, min_steps) or (extra_check(args, world) if extra_check else None)
     if problem:

@@ -186,7 +186,7 @@ def _first_tb_index(output: str, rank: int) -> int:
 
 def _kill_tree(procs: list[psutil.Process], grace_s: float = 3.0) -> int:
     """SIGTERM every process still running, then SIGKILL those left after `grace_s`. Returns how many."""
-    from .reaper import terminate_then_kill  # imported here: `python -m nanodist.reaper` must not find it loaded
+    from .reaper import terminate_then_kill
     return terminate_then_kill(procs, grace_s)
 
 
@@ -196,8 +196,9 @@ def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: st
                     restarts: int = 0) -> list[list]:
     # Each agent runs under nanodist.reaper: if this process dies, however it dies, the reaper ends the agent,
     # its workers and whatever they started (Linux; elsewhere the agent runs directly).
-    from . import reaper as _reaper  # imported here: `python -m nanodist.reaper` must not find it imported already
-    reaper = [sys.executable, "-m", "nanodist.reaper", "--"] if _reaper.available() else []
+    from . import reaper as _reaper
+    # run as a file, not `-m nanodist.reaper`: that would import the package, and with it torch (2 s a launch)
+    reaper = [sys.executable, _reaper.__file__, "--"] if _reaper.available() else []
     base = reaper + [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                      f"--max-restarts={restarts}", "--tee=3"]
     tail = [str(script), *map(str, args)]

@@ -1,6 +1,8 @@
 """Run a command so that nothing it starts outlives it, or the process that asked for it (Linux).
 
-    python -m nanodist.reaper -- python -m torch.distributed.run ... lab.py     # what nanodist.launch runs
+    python nanodist/reaper.py -- python -m torch.distributed.run ... lab.py     # what nanodist.launch runs
+
+(Run as a file: it needs only psutil, and `python -m nanodist.reaper` would import the package, torch with it.)
 
 torchrun's agent starts the workers, and the workers may start processes of their own. If the program
 that launched the job dies -- a Jupyter kernel restart, `kill`, `timeout`, an out-of-memory kill -- no

@@ -328,6 +328,17 @@ def test_a_run_that_stopped_itself_stops_again_when_restarted(tmp_path):
         mgr.resume(make_run().trainer, "auto")
 
 
+def test_a_restart_that_starts_fresh_still_stops_and_a_new_fresh_run_clears_the_stop(tmp_path, monkeypatch):
+    """--resume none under torchrun restarts: before, every restart retrained into the same NaN."""
+    mgr = CheckpointManager(tmp_path)
+    mgr.mark_stopped("step 3: the loss is nan on rank 1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(CheckpointError, match="stopped itself earlier.*loss is nan"):
+        mgr.find("none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new run, asked to start fresh
+    assert mgr.find("none") is None and not (tmp_path / "STOPPED").exists()
+
+
 def test_the_lab_restarted_after_a_nan_stop_stops_at_once(tmp_path):
     ck = tmp_path / "ck"
     CheckpointManager(ck).mark_stopped("step 3: the loss is nan on rank 1")
@@ -504,7 +515,7 @@ def async_wait_worker(rank, world, directory):
 
 @pytest.mark.dist
 def test_wait_returns_when_the_asynchronous_save_is_committed_on_every_rank(tmp_path):
-    for rank, found in enumerate(spawn(async_wait_worker, 2, args=(str(tmp_path),), timeout=120)):
+    for rank, found in enumerate(spawn(async_wait_worker, 3, args=(str(tmp_path),), timeout=120)):
         for fmt, part in (("full", found[:6]), ("sharded", found[6:])):
             assert part[:5] == [True] * 5, (rank, fmt, part)
             assert "failed on rank 0" in part[5] and "No space left on device" in part[5], (rank, fmt, part[5])
@@ -575,9 +586,9 @@ def cross_worker(rank, world, directory, old_fsdp):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("old_fsdp", [False, True])
-def test_a_checkpoint_loads_into_any_other_wrapper(tmp_path, old_fsdp):
-    for rank_out in spawn(cross_worker, 2, args=(str(tmp_path), old_fsdp), timeout=120):
+@pytest.mark.parametrize("world, old_fsdp", [(3, False), (2, True)])
+def test_a_checkpoint_loads_into_any_other_wrapper(tmp_path, world, old_fsdp):
+    for rank_out in spawn(cross_worker, world, args=(str(tmp_path), old_fsdp), timeout=120):
         assert len(rank_out) == 2 * len(CROSS) ** 2
         wrong = {k: v for k, v in rank_out.items() if v is not True}
         assert not wrong, wrong
@@ -642,3 +653,24 @@ def test_a_folder_belongs_to_one_run_at_a_time(tmp_path, monkeypatch):
     (tmp_path / "h" / "LOCK").write_bytes(b"\x00\xff")
     with pytest.raises(CheckpointError, match="does not say which run holds this folder"):
         claim(tmp_path / "h")
+
+
+def from_one_process_worker(rank, world, root):
+    """A one-process checkpoint (the `saved` fixture: bare model, AdamW) into DDP, FSDP and FSDP2 at W = 2."""
+    out = {}
+    for fmt in ("full", "sharded"):
+        step = Path(root) / fmt / "step_00000006"
+        alone = make_run()  # this rank alone, the bare model: the reference
+        load(step, alone.trainer)
+        want = fingerprint(alone.trainer)
+        for dst in CROSS:
+            b = make_run(*dst)
+            load(step, b.trainer)
+            out[fmt, dst[0]] = want == fingerprint(b.trainer) and b.trainer.step == 6
+    return out
+
+
+@pytest.mark.dist
+def test_a_one_process_checkpoint_loads_into_every_wrapper(saved):
+    for rank_out in spawn(from_one_process_worker, 2, args=(str(saved),), timeout=120):
+        assert rank_out and all(rank_out.values()), rank_out

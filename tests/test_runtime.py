@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +299,29 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_rank_gives_up_within_its_timeout_and_says_when():
+    """Rank 1 of 2 with no rank 0: torch's store client retries past the timeout it is given (28 s of a 10 s
+    NANODIST_TIMEOUT); nd.init() keeps the limit it states."""
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NANODIST_TIMEOUT": "6"}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", "import nanodist as nd; nd.init()"], env=env, capture_output=True,
+                         text=True, timeout=50)
+    took = time.monotonic() - t0
+    assert out.returncode != 0 and "could not join the process group" in out.stderr and "within 6 s" in out.stderr
+    waited = int(out.stderr.split("gave up after ")[1].split(" s")[0])
+    assert waited <= 6 + runtime.JOIN_GRACE_S + 1 and took < 30, (waited, took, out.stderr[-500:])
+
+
+def test_a_lab_in_a_partial_torchrun_environment_says_so_in_one_line(tmp_path):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "NANODIST_RESULTS_DIR": str(tmp_path)}
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    lab = Path(__file__).resolve().parents[1] / "labs" / "lab06_checkpoint.py"
+    out = subprocess.run([sys.executable, str(lab), "--model", "tiny", "--checkpoint-dir", str(tmp_path / "ck")],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-800:]
+    assert "incomplete distributed environment" in out.stderr and "MASTER_ADDR, MASTER_PORT missing" in out.stderr

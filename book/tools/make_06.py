@@ -244,9 +244,13 @@ md(r"""
 The files are written into a temporary directory `.tmp-step_XXXXXXXX-<id>`, each one fsynced (on its way
 to the disk, not just in the page cache), their checksums are written into `meta.json`, the directory
 is renamed to `step_XXXXXXXX` (a rename within one file system is atomic), and only then is `latest`
-replaced, by another rename. A crash at any point leaves either the old state or the new one. Here a
-save dies after DCP has written its files and before the commit; the test suite does the same with a
-real `SIGKILL` in both formats:
+replaced, by another rename. A resumed run that saves a step again swaps the new directory with the old
+one in a single system call (`_swap_in`: Linux's `renameat2` with `RENAME_EXCHANGE`), so the step is
+never missing. A crash at any point leaves either the old state or the new one. Here a save dies after
+DCP has written its files and before the commit; the test suite does the same with a real `SIGKILL` in
+both formats. (`LOCK` in the listing is the run's claim on the folder, taken at its first save: a second
+run pointed at the same folder is refused, naming the holder, instead of resuming and pruning the first
+one's checkpoints; a restart of the same run, or a run whose holder died on this machine, takes it over.)
 """)
 
 code(r"""
