@@ -585,7 +585,8 @@ class CheckpointManager:
             return
         path = self.directory / LOCK
         try:
-            if _read_lock(path).get("pid") == self._lock["pid"] and _read_lock(path).get("host") == self._lock["host"]:
+            holder = _read_lock(path)
+            if (holder.get("pid"), holder.get("host")) == (self._lock["pid"], self._lock["host"]):
                 path.unlink()
         except (CheckpointError, OSError):
             pass  # gone already, or another's now: not ours to remove
