@@ -188,12 +188,16 @@ def compare(args, data, group, rec) -> dict:
     if "fsdp" in results and "ddp" in results:
         states = lambda n: max(model_states(m) for m in results[n]["memory"])  # noqa: E731
         metrics["ratio_states_fsdp_vs_ddp"] = states("fsdp") / states("ddp")
-        ddp_sent = metrics["bytes_per_step_predicted"]["ddp"]  # DDP all-reduces every gradient once: the model
-        metrics["ratio_bytes_sent_fsdp_vs_ddp"] = results["fsdp"]["bytes_sent"] / ddp_sent
         nd.print0(f"ratio parameters + gradients + optimizer state per rank, FSDP / DDP: "
                   f"{metrics['ratio_states_fsdp_vs_ddp']:.2f}")
-        nd.print0(f"ratio bytes each rank sends per step, FSDP / DDP: {metrics['ratio_bytes_sent_fsdp_vs_ddp']:.2f} "
-                  f"(the cost model: {bytes_per_step('fsdp', 1, group.size) / bytes_per_step('ddp', 1, group.size):.2f})")
+        ddp_sent = metrics["bytes_per_step_predicted"]["ddp"]  # DDP all-reduces every gradient once: the model
+        if group.size > 1:
+            metrics["ratio_bytes_sent_fsdp_vs_ddp"] = results["fsdp"]["bytes_sent"] / ddp_sent
+            nd.print0(f"ratio bytes each rank sends per step, FSDP / DDP: "
+                      f"{metrics['ratio_bytes_sent_fsdp_vs_ddp']:.2f} (the cost model: "
+                      f"{bytes_per_step('fsdp', 1, group.size) / bytes_per_step('ddp', 1, group.size):.2f})")
+        else:
+            nd.print0("bytes sent per step: none with one rank (no ratio: run with --nproc_per_node=2 or more)")
     return metrics
 
 

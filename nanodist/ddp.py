@@ -76,21 +76,10 @@ class _SyncBase(nn.Module):
                 raise ValueError(f"DDP: ranks wrap different models ({what}). Build the same model, with the "
                                  f"same frozen parameters, on every rank.")
 
-    @torch.no_grad()
     def _broadcast_from_rank0(self) -> list[str]:
         """Make every rank start from rank 0's parameters and buffers; return the names that differed."""
-        tensors = [(n, t) for n, t in list(self.module.named_parameters()) + list(self.module.named_buffers())]
-        if self.world_size == 1 or not tensors:
-            return []
-        # A cheap fingerprint per tensor (sum and sum of squares in float64) tells who disagreed.
-        fp = torch.stack([torch.stack([t.double().sum(), t.double().pow(2).sum()]) for _, t in tensors]).flatten()
-        fp = torch.nan_to_num(fp, nan=1.2345e300).to(tensors[0][1].device)
-        allfp = [torch.empty_like(fp) for _ in range(self.world_size)]
-        dist.all_gather(allfp, fp, group=self.pg)
-        differ = [tensors[i][0] for i in range(len(tensors))
-                  if any(not torch.equal(a[2 * i:2 * i + 2], allfp[0][2 * i:2 * i + 2]) for a in allfp[1:])]
-        for _, t in tensors:
-            dist.broadcast(t.data, src=self.group.global_rank(0), group=self.pg)
+        tensors = list(self.module.named_parameters()) + list(self.module.named_buffers())
+        differ = self.group.broadcast_from_first(tensors)
         if differ:
             get_logger().warning(f"DDP: ranks started with different values for {len(differ)} tensor(s) "
                                  f"({', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}); "

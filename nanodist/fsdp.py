@@ -28,7 +28,19 @@ gathered from the first forward to the end of backward, as in torch's FSDP2).
 
 The optimizer sees, for every original parameter, a Parameter that is a (possibly empty) view into
 this rank's shard, named as in the bare model: AdamW steps them, weight decay can be grouped by the
-original shapes (configure_param_groups), and their gradients are views into the reduced shard.
+original shapes (configure_param_groups), and their gradients are views into the reduced shard. The
+module holds the same Parameters whenever a unit is not gathered (module.named_parameters() names them,
+`layer.weight` reads this rank's 1-D piece of it); while it is gathered, views of the full buffer. So a
+read never touches released memory, and freezing `layer.weight` after wrapping freezes what the
+optimizer steps: its part of the reduced gradient is dropped. A unit no rank used in a step gets no
+gradient at all (None: the optimizer skips it, as one process would); inside a unit that ran, a
+parameter unused in the step gets a zero gradient (as in torch's FSDP1). Ranks start from rank 0's
+weights (broadcast when wrapping, as DDP does).
+
+Gradient clipping: `fsdp.clip_grad_norm_(max_norm)` is the global norm. torch's
+`torch.nn.utils.clip_grad_norm_(fsdp.parameters(), ...)` sees this rank's pieces only, so it returns a
+rank-local norm and clips each rank by another factor (as with torch's FSDP1); FSDP2's parameters are
+DTensors, and there the same torch call returns the global norm. The Trainer always calls the wrapper's.
 Mixed precision: param_dtype (bf16) gathers and computes in bf16 from the fp32 shards; gradients are
 reduced in reduce_dtype (fp32 by default) and kept in fp32.
 """
@@ -60,12 +72,9 @@ class Unit:
         if len(dtypes) > 1 or len(devices) > 1:
             raise ValueError(f"FSDP unit {name!r} mixes {sorted(map(str, dtypes | devices))}: a unit is one flat "
                              f"buffer, so its parameters must share a dtype and a device (convert the model first)")
-        trainable = {p.requires_grad for p in params}
-        if len(trainable) > 1:
-            frozen = [f for f, _, p in slots if not p.requires_grad]
-            raise ValueError(f"FSDP unit {name!r} mixes frozen and trainable parameters ({', '.join(frozen[:3])} "
-                             f"are frozen): freeze whole units, or make the frozen modules units of their own")
-        self.requires_grad = trainable.pop()
+        # A unit computes a gradient when any of its parameters trains; a frozen one beside them gets none (its
+        # part of the reduced gradient is dropped), as in torch's FSDP with use_orig_params.
+        self.requires_grad = any(p.requires_grad for p in params)
         W, r = group.size, group.rank
         self.names = [f for f, _, _ in slots]
         self.homes = [homes for _, homes, _ in slots]
@@ -98,8 +107,11 @@ class Unit:
             a, b = mine.get(k, (0, 0))
             at = o + a - r * self.shard_numel
             self.local.append((at, at + b - a, a) if b > a else (0, 0, 0))
-        self.views = [nn.Parameter(self.shard[s:e], requires_grad=self.requires_grad) for s, e, _ in self.local]
+        self.views = [nn.Parameter(self.shard[s:e], requires_grad=p.requires_grad)
+                      for (s, e, _), p in zip(self.local, params)]
         self.grad_shard: torch.Tensor | None = None
+        self.had_grad = False  # this rank computed a gradient for the unit in the backward being reduced
+        self.install_local()
 
     # --- gather and free ----------------------------------------------------------------------------
 
@@ -127,16 +139,28 @@ class Unit:
     def _install(self) -> None:
         """Point the modules' parameter attributes at views of the gathered buffer (re-made at every gather). One
         split of the buffer, not a slice per parameter: in backward, the split's gradient is one tensor for the
-        whole unit, where slices would each build a zero-filled buffer of the unit's size."""
+        whole unit, where slices would each build a zero-filled buffer of the unit's size. (A plain attribute:
+        the module's registered parameter, the local view, steps aside until the unit is freed.)"""
         sizes = [shape.numel() for shape in self.shapes] + [self.padded - self.numel]
         for view, shape, homes in zip(torch.split(self.full, sizes), self.shapes, self.homes):
             view = view.view(shape)
             for module, attr in homes:
-                setattr(module, attr, view)
+                module._parameters.pop(attr, None)
+                module.__dict__[attr] = view
+
+    def install_local(self) -> None:
+        """Point the modules' parameters at this rank's local views -- the very (1-D, possibly empty) Parameters
+        the optimizer steps -- whenever the unit is not gathered: a read between steps sees real memory, never
+        the freed buffer, and module.named_parameters() names them."""
+        for view, homes in zip(self.views, self.homes):
+            for module, attr in homes:
+                module.__dict__.pop(attr, None)
+                module._parameters[attr] = view
 
     def free(self) -> None:
         if self.gathered:
             self._free()
+            self.install_local()
             self.gathered = False
 
     @property
@@ -158,7 +182,9 @@ class FSDP(nn.Module):
       gathers, frees and reduce-scatters: the chapter's figures, and nanodist.memory's accounting.
 
     Implements the Trainer's protocol: set_requires_gradient_sync (off: backward keeps each unit's full local
-    gradient and reduces nothing) and clip_grad_norm_ (the global norm, from every rank's shard).
+    gradient and reduces nothing) and clip_grad_norm_ (the global norm, from every rank's shard; torch's
+    clip_grad_norm_ over fsdp.parameters() would be this rank's alone: see the module docstring).
+    full_state_dict(all_ranks=True) gives every rank the whole model; state_dict() is FSDP2's sharded layout.
     """
 
     def __init__(self, module: nn.Module, units=(), *, group=None, reshard_after_forward: bool = True,
@@ -175,6 +201,16 @@ class FSDP(nn.Module):
         self.observer = observer
         ring = collectives == "ring" or (collectives == "auto" and g.backend == "gloo")
         self._check_same_model()
+        # Every rank keeps its own chunk of every parameter: ranks that built the model with different seeds would
+        # train a mixture of their models. They start from rank 0's, as with DDP (and buffers too).
+        self.mismatched_at_wrap = g.broadcast_from_first(list(module.named_parameters()) +
+                                                         list(module.named_buffers()))
+        if self.mismatched_at_wrap:
+            from .runtime import get_logger
+            differ = self.mismatched_at_wrap
+            get_logger().warning(f"FSDP: ranks started with different values for {len(differ)} tensor(s) "
+                                 f"({', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}); rank 0's were "
+                                 f"broadcast to all. Seed model init identically on every rank.")
         unit_modules = list(units)
         names = {id(m): n for n, m in module.named_modules()}
         for m in unit_modules:
@@ -208,15 +244,13 @@ class FSDP(nn.Module):
             name = names[id(um)] or "root"
             if slots[u]:
                 self.units.append(Unit(len(self.units), name, um, slots[u], g, param_dtype, ring))
-        # The module no longer owns its parameters: they are views of the gathered buffers (plain tensors).
-        for unit in self.units:
-            for homes_ in unit.homes:
-                for m, attr in homes_:
-                    m._parameters.pop(attr, None)
-        self._shards = nn.ParameterList([p for unit in self.units for p in unit.views])
+        # The module's parameters are now this rank's local views (Unit.install_local); while a unit is gathered,
+        # views of its full buffer. The original parameters are no longer referenced.
+        self._views = [p for unit in self.units for p in unit.views]
         self._names = [n for unit in self.units for n in unit.names]
         self._root = self.units[-1] if self.units and self.units[-1].module is module else None
         self._order = [u for u in self.units if u is not self._root]  # forward order of the (non-root) units
+        self._frozen_units = [u for u in self.units if not u.requires_grad]
         self._install_hooks()
         trainable = [u for u in self.units if u.requires_grad]
         # Backward produces the last units' gradients first, the root's (embeddings) last.
@@ -234,10 +268,15 @@ class FSDP(nn.Module):
     # --- set-up ----------------------------------------------------------------------------------------
 
     def _check_same_model(self) -> None:
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()]
+        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.module.named_parameters()]
         everyone = self.group.all_gather_object(mine)
-        if any(theirs != everyone[0] for theirs in everyone):
-            raise ValueError("FSDP: ranks wrap different models: build the same model on every rank")
+        for r, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b), None)
+                what = (f"first difference: rank 0 has {diff[0]}, rank {r} has {diff[1]}" if diff else
+                        f"rank 0 has {len(everyone[0])} parameters, rank {r} has {len(theirs)}")
+                raise ValueError(f"FSDP: ranks wrap different models ({what}). Build the same model, with the same "
+                                 f"frozen parameters, on every rank.")
 
     @staticmethod
     def _unit_of(mod: nn.Module, units: list[nn.Module]) -> int | None:
@@ -264,6 +303,13 @@ class FSDP(nn.Module):
     def forward(self, *args, **kwargs):
         if self._engine.pending:  # a backward was interrupted: forget its half-finished reduction
             self._engine.reset()
+        for unit in self._frozen_units:
+            for name, view in zip(unit.names, unit.views):
+                if view.requires_grad:
+                    raise ValueError(f"FSDP: {name} was unfrozen after wrapping, but every parameter of its unit "
+                                     f"({unit.name}) was frozen when FSDP wrapped the model, so the unit computes no "
+                                     f"gradient. Unfreeze it before wrapping (FSDP then reduces its unit's gradient; "
+                                     f"frozen parameters beside it get none).")
         return self.module(*args, **kwargs)
 
     def _gather(self, unit: Unit) -> None:
@@ -335,6 +381,7 @@ class FSDP(nn.Module):
         """A unit's gradient is complete: reduce-scatter it into this rank's shard of the gradient."""
         unit = b.extra["unit"]
         grad = unit.full.grad
+        unit.had_grad = grad is not None
         if grad is None:  # the unit took no part in this step on this rank: it contributes zeros
             grad = torch.zeros(unit.padded, dtype=unit.compute_dtype, device=unit.shard.device)
         dtype = self.reduce_dtype or unit.shard.dtype
@@ -358,20 +405,41 @@ class FSDP(nn.Module):
 
     def _finish_reduce(self, missing) -> None:
         W = self.world_size
-        for b in self._engine.buckets:
+        buckets = self._engine.buckets
+        # A unit no rank used in this step gets no gradient (None), as a module unused in one process would: the
+        # optimizer then skips it. Agreed in one small all-reduce, read back only on a rank that lacked a unit.
+        had = [b.extra["unit"].had_grad for b in buckets]
+        if W > 1 and buckets:
+            flags = torch.tensor([float(h) for h in had], device=self.group.comm_device)
+            dist.all_reduce(flags, group=self.group.pg)
+            if not all(had):
+                had = [v > 0 for v in flags.tolist()]
+        for b, used in zip(buckets, had):
             unit, out = b.extra["unit"], b.extra.pop("out")
+            if not used:
+                continue
             out = out.to(unit.shard.dtype) if out.dtype != unit.shard.dtype else out
             if W > 1:
                 out.div_(W)
-            if unit.grad_shard is None or unit.views[0].grad is None:  # the optimizer's zero_grad dropped the last one
+            for (s, e, _), view in zip(unit.local, unit.views):
+                if not view.requires_grad:  # frozen (before or after wrapping): its gradient is dropped
+                    out[s:e].zero_()
+            if not self._has_grad(unit):  # the optimizer's zero_grad dropped the last one
                 unit.grad_shard = out
                 for (s, e, _), view in zip(unit.local, unit.views):
-                    view.grad = out[s:e]
+                    view.grad = out[s:e] if view.requires_grad else None
             else:  # another backward since the last step: add its gradient
                 unit.grad_shard.add_(out)
             self._event("reduced", unit)
         if self._root is not None:
             self._free(self._root)
+
+    @staticmethod
+    def _has_grad(unit: Unit) -> bool:
+        """Whether the unit holds a reduced gradient not yet dropped by a zero_grad (the optimizer's or ours)."""
+        if unit.grad_shard is None:
+            return False
+        return any(v.grad is not None for v in unit.views)
 
     # --- the Trainer's protocol ---------------------------------------------------------------------
 
@@ -383,7 +451,7 @@ class FSDP(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global norm of the averaged gradient, from every rank's shard (one small all-reduce); clips it."""
         sq = torch.zeros((), dtype=torch.float64, device=self.group.comm_device)
-        live = [u for u in self.units if u.grad_shard is not None and u.views[0].grad is not None]
+        live = [u for u in self.units if self._has_grad(u)]
         for unit in live:
             sq += torch.linalg.vector_norm(unit.grad_shard, dtype=torch.float64).to(sq.device) ** 2
         if self.world_size > 1:
@@ -405,8 +473,9 @@ class FSDP(nn.Module):
     # --- what the optimizer and the checkpoint see ---------------------------------------------------
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's shard of every original parameter, under its original name."""
-        for name, p in zip(self._names, self._shards):
+        """This rank's shard of every original parameter, under its original name (the module's own
+        named_parameters() yields the same Parameters, between forward passes)."""
+        for name, p in zip(self._names, self._views):
             yield prefix + name, p
 
     def parameters(self, recurse: bool = True):
@@ -423,18 +492,20 @@ class FSDP(nn.Module):
                 for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict:
-        """Every parameter whole, under its original name (tied ones under each), on the group's rank 0 (the other
-        ranks get {}). A collective: every rank calls it. Loadable into the bare model with plain torch."""
+    def full_state_dict(self, all_ranks: bool = False) -> dict:
+        """Every parameter whole, under its original name (tied ones under each), on the group's rank 0 -- the
+        other ranks get {} -- or, with all_ranks=True, on every rank. A collective: every rank calls it. Loadable
+        into the bare model with plain torch."""
         out = {}
+        keep = all_ranks or self.group.is_main
         for unit in self.units:
             full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
             all_gather(full.view(self.world_size, unit.shard_numel), unit.shard, self.group, ring=False).wait()
-            if self.group.is_main:
+            if keep:
                 for name, o, shape in zip(unit.names, unit.offsets, unit.shapes):
                     out[name] = full[o:o + shape.numel()].view(shape).clone()
         out.update({alias: out[name] for alias, name in self._aliases().items() if name in out})
-        return {k: out[k] for k in sorted(out)} if self.group.is_main else {}
+        return {k: out[k] for k in sorted(out)} if keep else {}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:

@@ -109,6 +109,28 @@ class Group:
         dist.broadcast_object_list(box, src=self.global_rank(src), group=self.pg)
         return box[0]
 
+    @torch.no_grad()
+    def broadcast_from_first(self, named: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """Give every rank the group's rank 0's values of these tensors (in place); return the names whose values
+        differed anywhere before (a float64 sum and sum of squares per tensor, all-gathered, tells who)."""
+        if self.size == 1 or not named:
+            return []
+        through = self.comm_device
+        fp = torch.stack([torch.stack([t.double().sum(), t.double().pow(2).sum()]) for _, t in named]).flatten()
+        fp = torch.nan_to_num(fp, nan=1.2345e300).to(through)
+        every = [torch.empty_like(fp) for _ in range(self.size)]
+        dist.all_gather(every, fp, group=self.pg)
+        differ = [named[i][0] for i in range(len(named))
+                  if any(not torch.equal(a[2 * i:2 * i + 2], every[0][2 * i:2 * i + 2]) for a in every[1:])]
+        for _, t in named:
+            if t.device == through or through.type != "cpu":
+                dist.broadcast(t.data, src=self.global_rank(0), group=self.pg)
+            else:  # gloo moves CPU tensors: a GPU tensor goes through a copy
+                copy = t.data.to(through)
+                dist.broadcast(copy, src=self.global_rank(0), group=self.pg)
+                t.data.copy_(copy)
+        return differ
+
     def barrier(self) -> None:
         """Wait until every member gets here (nothing to wait for in a world of one)."""
         if self.size > 1:

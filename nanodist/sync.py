@@ -267,10 +267,13 @@ class GradSync:
 
     Hooks fire only while `enabled` (set_requires_gradient_sync); a disabled backward just accumulates p.grad.
     sync() does by hand what the end of backward does: launch what is left (reading p.grad) and wait.
+    stale() -> bool, asked at the first gradient of each backward: True says the owner's layout no longer fits
+    (a parameter was frozen or unfrozen), so this backward only accumulates p.grad and the owner, having rebuilt
+    its buckets, calls sync() itself.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], buckets: list[Bucket], launch, finish,
-                 before_last=None, observer: Observer | None = None, names: list[str] | None = None):
+                 before_last=None, observer: Observer | None = None, names: list[str] | None = None, stale=None):
         self.params, self.buckets = params, buckets
         self._launch_fn, self._finish_fn, self._before_last = launch, finish, before_last
         self.observer = observer
@@ -285,15 +288,20 @@ class GradSync:
         self._next = 0  # the next bucket to launch
         self._active = False  # a sync is under way (some hook fired, or sync() started)
         self._callback_queued = False
+        self._stale, self._sitting_out = stale, False
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
                        for i, p in enumerate(params) if self._bucket_of[i] is not None]
 
     # --- during backward ----------------------------------------------------------------------------
 
     def _grad_ready(self, i: int, p: torch.nn.Parameter) -> None:
-        if not self.enabled:
+        if not self.enabled or self._sitting_out:
             return  # accumulation: the gradient just adds up in p.grad
         if not self._active:
+            if self._stale is not None and self._stale():
+                self._sitting_out = True
+                _ENGINE.queue_callback(self._stop_sitting_out)
+                return
             self._active = True
             if self.observer is not None:
                 self.observer.backward_started()
@@ -322,6 +330,9 @@ class GradSync:
             if self.observer is not None:
                 self.observer.bucket_launched(b)
             self._next += 1
+
+    def _stop_sitting_out(self) -> None:
+        self._sitting_out = False
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

@@ -73,3 +73,12 @@ def test_lab05_memory_stages_timeline_and_checkpointing(tmp_path):
     c = m["checkpointing"]
     assert c["on"]["activations_max"] < c["off"]["activations_max"]
     assert c["on"]["median_step_s"] > 0 and c["off"]["median_step_s"] > 0
+
+
+def test_lab05_with_one_rank_keeps_its_metrics(tmp_path):
+    """One process has nothing to send: the lab says so instead of dividing by zero after the whole comparison."""
+    run = nd.launch("lab05_fsdp", nproc=1, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+                    args=TINY + ["--steps", "4"])
+    m = run.results["metrics"]
+    assert set(m["impls"]) == {"ddp", "zero1", "zero2", "fsdp", "fsdp2"} and "ratio_bytes_sent_fsdp_vs_ddp" not in m
+    assert "bytes sent per step: none with one rank" in run.output and m["ratio_states_fsdp_vs_ddp"] > 0.9

@@ -126,6 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pipeline: PipelineRecorder | None = None
         self._engine: GradSync | None = None
         self._plan_key = None
+        self._reduced = False
         super().__init__(params, {})
         self._plan()  # the hooks are in place before the first backward
 
@@ -175,12 +176,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------- the layout
 
+    def _layout_key(self) -> tuple:
+        return tuple((id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad)
+                     for g in self.param_groups for p in g["params"])
+
+    def _stale(self) -> bool:
+        """At the first gradient of a backward: has a parameter been frozen or unfrozen (or the groups changed)
+        since the layout was built? Then the engine sits this backward out, and step() re-plans and reduces."""
+        return self._layout_key() != self._plan_key
+
     def _plan(self) -> GradSync:
-        """Pieces, buckets and the engine's hooks; built once, again only when the parameters change."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        key = tuple((id(p), tuple(p.shape), p.dtype, p.device) for p in params)
-        if key == self._plan_key:
+        """Pieces, buckets and the engine's hooks; built once, again only when the parameters change (a group added,
+        a parameter frozen or unfrozen) -- and never while reduced gradients wait for their step: they belong to the
+        layout they were reduced in."""
+        key = self._layout_key()
+        if key == self._plan_key or (self._reduced and self._engine is not None):
             return self._engine
+        params = [p for g in self.param_groups for p in g["params"]]
         if self._engine is not None:
             self._engine.remove()
             self._engine = None
@@ -191,11 +203,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._names = [self._param_name(g, j) for g, group in enumerate(self.param_groups)
                        for j in range(len(group["params"]))]
         kinds = [self.param_groups[g]["kind"] for g in self._group_of]
+        # Frozen matrices are dealt too, so that unfreezing one later moves no other matrix (nor its momentum).
         muon = [i for i, k in enumerate(kinds) if k == "muon" and params[i].numel() > 0]
         owner = dict(zip(muon, _muon.deal([params[i].numel() for i in muon], W)))
         self._owner = owner
-        # Backward produces the last layers' gradients first: buckets in reverse parameter order.
-        order = [i for i in reversed(range(len(params))) if params[i].numel() > 0]
+        # Backward produces the last layers' gradients first: buckets in reverse parameter order. A frozen parameter
+        # (requires_grad False) gets no gradient, no hook, no place in a bucket and no state -- as torch.optim skips
+        # a parameter whose grad is None. An AdamW slice depends on the parameter alone, so freezing or unfreezing
+        # one leaves every other parameter's piece (and state) where it was.
+        order = [i for i in reversed(range(len(params))) if params[i].numel() > 0 and params[i].requires_grad]
         buckets, pieces = [], []
         for run in pack_buckets([params[i] for i in order], self.bucket_cap_bytes):
             idx = [order[j] for j in run]
@@ -223,7 +239,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             buckets.append(b)
             pieces += mine
         self._buckets = buckets
-        if self.collectives == "shm" and W > 1:
+        self._bucketed = [False] * len(params)
+        for i in order:
+            self._bucketed[i] = True
+        if self.collectives == "shm" and W > 1 and buckets:
             self._attach_shared_memory()
         self._local_by_param = {}
         for pc in pieces:
@@ -232,9 +251,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._had_grad = [False] * len(params)
         self._reduced = False  # gradients reduced since the last step (by the hooks, or by hand)
         self._agreement = None  # (has_grad flags, clip coefficient) once clip_grad_norm_ has agreed
-        if W > 1:  # a world of one has nothing to reduce: step() updates straight from p.grad (_step_alone)
+        if W > 1 and buckets:  # a world of one has nothing to reduce: step() updates from p.grad (_step_alone)
             self._engine = GradSync(params, buckets, self._launch, self._finish, names=self._names,
-                                    observer=getattr(self, "_observer", None))
+                                    observer=getattr(self, "_observer", None), stale=self._stale)
         self._plan_key = key
         return self._engine
 
@@ -388,7 +407,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _reduce_now(self) -> None:
         engine = self._plan()
-        if engine is None:  # a world of one: the gradients in p.grad are the averaged ones
+        if engine is None:  # a world of one (the gradients in p.grad are the averaged ones), or nothing trainable
             return
         if engine.pending:  # a backward was interrupted (an exception) before it finished: start over
             engine.reset()
@@ -432,7 +451,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 dist.all_reduce(agree, group=self.group.pg)
             total = agree[-1]
-            if any(not h and p.numel() for h, p in zip(local, self._params)):  # only here is a value read back
+            if any(not h and b for h, b in zip(local, self._bucketed)):  # only here is a value read back
                 has_grad = [v > 0 for v in agree[:-1].tolist()]
         if clip_norm is None:
             return has_grad, None, None
