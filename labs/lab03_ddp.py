@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import nanodist as nd
-from nanodist import experiment, faults
+from nanodist import diverge, experiment, faults
 from nanodist.bench import take_turns
 from nanodist.data import TokenStream
 from nanodist.model import GPT
@@ -164,6 +164,16 @@ def main():
         if "torch" in results and impl in results:
             metrics[key] = results[impl]["tokens_per_s"] / results["torch"]["tokens_per_s"]
             nd.print0(f"ratio {label}: {metrics[key]:.2f}")
+    if "nanodist" in runs and group.size > 1:
+        # The divergence detector stays on: what its bookkeeping costs a step, from the collectives DDP tracks
+        # (its buckets, the control numbers, the buffer broadcast) and the cost of one, measured here.
+        ddp = runs["nanodist"].model
+        per_step = len(ddp.buckets) + 2  # at most: a bucket through shared memory is not a tracked collective
+        cost = diverge.tracking_cost_s()
+        metrics["ratio_divergence_tracking_vs_step"] = per_step * cost / results["nanodist"]["median_step_s"]
+        nd.print0(f"ratio divergence-detector bookkeeping / nanodist DDP step: "
+                  f"{metrics['ratio_divergence_tracking_vs_step']:.4f} (at most {per_step} tracked collectives a step x "
+                  f"{1e6 * cost:.1f} us)")
     base, source = results.get("single"), "same run"
     if base is None and group.size > 1:
         base, source = baseline_from_files(args, group.size, main_impl), "an earlier 1-rank run"

@@ -30,6 +30,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .group import Group
+from . import diverge
 from .runtime import get_logger
 from .sync import DONE, Bucket, BucketTimeline, GradSync, Slot, Work, all_reduce_sum, pack_buckets
 
@@ -96,8 +97,9 @@ class _SyncBase(nn.Module):
                                  f"gradient synchronisation was discarded")
             self._reset()
         if self._sync_buffers and self.require_sync:
-            for b in self._sync_buffers:  # e.g. BatchNorm running stats: rank 0's win, as in torch DDP
-                dist.broadcast(b.data, src=self.group.global_rank(0), group=self.pg)
+            with diverge.waiting(diverge.issue(self.group, "DDP buffer broadcast")):
+                for b in self._sync_buffers:  # e.g. BatchNorm running stats: rank 0's win, as in torch DDP
+                    dist.broadcast(b.data, src=self.group.global_rank(0), group=self.pg)
         return self.module(*args, **kwargs)
 
     @property
@@ -231,7 +233,7 @@ class DDP(_SyncBase):
             p0 = self._params[idx[0]]
             b = Bucket(k, idx, slots, n, p0.dtype, p0.device)
             buffer = torch.zeros(n, dtype=p0.dtype, device=p0.device)
-            b.extra.update(buffer=buffer, grads=buffer,
+            b.extra.update(buffer=buffer, grads=buffer, what=f"DDP all-reduce of bucket {k}",
                            views=[buffer[s.offset:s.offset + s.numel].view_as(self._params[s.param]) for s in slots])
             buckets.append(b)
         return buckets
@@ -279,11 +281,14 @@ class DDP(_SyncBase):
             # and this rank's optimizer-step count and its square. Summed, they tell every rank whether *any* rank
             # missed a gradient, and whether all ranks were at the same step (N sum(s^2) == (sum s)^2 only when
             # every s is equal).
+            # Two more: the divergence detector's digest of this rank's collectives, d and d^2 (nanodist.diverge).
             tag = float(self.optimizer_steps % 1024 + 1)
+            d, d2 = diverge.agreement_values(self.group)
             device = self.group.comm_device  # built on the host, sent without waiting (pinned on a GPU)
-            host = torch.tensor([self._missing, tag, tag * tag], dtype=torch.float64, pin_memory=device.type == "cuda")
+            host = torch.tensor([self._missing, tag, tag * tag, d, d2], dtype=torch.float64,
+                                pin_memory=device.type == "cuda")
             self._control = host.to(device, non_blocking=True)
-            self._control_work = all_reduce_sum(self._control, self.group)
+            self._control_work = all_reduce_sum(self._control, self.group, "DDP control numbers")
         if reducer is not None:
             # The gradients went straight into this rank's row of the shared memory; the ranks add up each
             # other's rows, and the average is copied into the bucket. Synchronous: done when this returns.
@@ -291,7 +296,7 @@ class DDP(_SyncBase):
             b.extra["buffer"].copy_(reducer.all_reduce_())
             return DONE
         b.extra["grads"].mul_(1.0 / self.world_size)
-        return all_reduce_sum(b.extra["buffer"], self.group)
+        return all_reduce_sum(b.extra["buffer"], self.group, b.extra["what"])
 
     def _finish(self, missing: list[int]) -> None:
         self.sync_count += 1
@@ -302,7 +307,8 @@ class DDP(_SyncBase):
             flags = torch.ones(len(params), dtype=torch.int32, device=self.group.comm_device)
             if missing:
                 flags[missing] = 0
-            dist.all_reduce(flags, group=self.pg)
+            with diverge.waiting(diverge.issue(self.group, "DDP unused-parameter flags")):
+                dist.all_reduce(flags, group=self.pg)
             unused_everywhere = {i for i, f in enumerate(flags.tolist()) if f == 0}
         self._control_work.wait()
         names = [self.trainable[i][0] for i in missing]
@@ -311,7 +317,7 @@ class DDP(_SyncBase):
             # step's copy, long since arrived: every rank does the same, so every rank raises at the same sync.
             pending = self._pending_check
             cuda = self._control.is_cuda
-            host = torch.empty(3, dtype=torch.float64, pin_memory=cuda)
+            host = torch.empty(5, dtype=torch.float64, pin_memory=cuda)
             host.copy_(self._control, non_blocking=cuda)
             event = torch.cuda.Event() if cuda else None
             if event is not None:
@@ -341,10 +347,11 @@ class DDP(_SyncBase):
         missing (without find_unused_parameters). Every rank holds the same sums, so every rank raises."""
         if event is not None:
             event.synchronize()  # recorded a step ago: done by now
-        missed, tags, squares = control.tolist()  # summed over the ranks
+        missed, tags, squares, d, d2 = control.tolist()  # summed over the ranks
         when = "the previous step" if late else "this step"
         if self.world_size * squares != tags * tags:
             self._raise_step_drift()
+        diverge.check_agreement(self.group, d, d2, "DDP")
         if missed > 0 and not self.find_unused_parameters:
             # Every rank raises, so no rank walks on into the next step's collectives alone.
             here = (f"on this rank: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import diverge
 from .group import Group
 from .state import torch_layout
 from .sync import Bucket, GradSync, Observer, Slot, Work, all_gather, reduce_scatter_sum
@@ -67,6 +68,7 @@ class Unit:
                  param_dtype: torch.dtype | None, ring: bool):
         # slots: (fqn, [(module, attribute)], parameter) for every distinct parameter of the unit, in order.
         self.index, self.name, self.module, self.group, self.ring = index, name, module, group, ring
+        self.what_gather, self.what_reduce = f"FSDP all-gather of unit {name}", f"FSDP reduce-scatter of unit {name}"
         params = [p for _, _, p in slots]
         dtypes, devices = {p.dtype for p in params}, {p.device for p in params}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -126,7 +128,7 @@ class Unit:
         with torch.no_grad():
             self._send = self.shard.to(self.compute_dtype) if self.compute_dtype != self.shard.dtype else self.shard
             out = self._full_data.view(self.group.size, self.shard_numel)
-            self.work = all_gather(out, self._send, self.group, ring=False)
+            self.work = all_gather(out, self._send, self.group, ring=False, what=self.what_gather)
 
     def wait(self) -> None:
         if not self.gathered:
@@ -251,6 +253,8 @@ class FSDP(nn.Module):
         self._root = self.units[-1] if self.units and self.units[-1].module is module else None
         self._order = [u for u in self.units if u is not self._root]  # forward order of the (non-root) units
         self._frozen_units = [u for u in self.units if not u.requires_grad]
+        self._ran, self._ran_expected = [], list(range(len(self._order)))
+        self._digest_check = diverge.PendingCheck("FSDP")
         self._install_hooks()
         trainable = [u for u in self.units if u.requires_grad]
         # Backward produces the last units' gradients first, the root's (embeddings) last.
@@ -331,6 +335,7 @@ class FSDP(nn.Module):
     def _root_pre_forward(self, module, args) -> None:
         if _in_backward():
             return
+        self._ran = []  # the units this forward runs, in order: the divergence report says so when it is not FSDP's
         self._wait(self._root)  # the root stays gathered until its gradient is reduced (or, without grad, the end)
         if self.prefetch and self._order:
             self._gather(self._order[0])
@@ -338,6 +343,9 @@ class FSDP(nn.Module):
     def _root_post_forward(self, module, args, out):
         if _in_backward():
             return out
+        if self._ran != self._ran_expected and self.world_size > 1:
+            diverge.note(self.group, f"its forward ran units {', '.join(self._order[i].name for i in self._ran)} "
+                                     f"(FSDP's order: {', '.join(u.name for u in self._order)})")
         if not torch.is_grad_enabled():
             self._free(self._root)  # no backward will follow (evaluation): nothing to keep it for
         elif self._root.requires_grad:  # a second backward (retain_graph) finds the root freed: gather it again
@@ -352,6 +360,8 @@ class FSDP(nn.Module):
 
     def _pre_forward(self, i: int) -> None:
         unit = self._order[i]
+        if not _in_backward():
+            self._ran.append(i)
         self._wait(unit)
         if self.prefetch and not _in_backward() and i + 1 < len(self._order):
             self._gather(self._order[i + 1])
@@ -383,13 +393,16 @@ class FSDP(nn.Module):
         grad = unit.full.grad
         unit.had_grad = grad is not None
         if grad is None:  # the unit took no part in this step on this rank: it contributes zeros
+            if self.world_size > 1:
+                diverge.note(self.group, f"unit {unit.name} got no gradient in its backward")
             grad = torch.zeros(unit.padded, dtype=unit.compute_dtype, device=unit.shard.device)
         dtype = self.reduce_dtype or unit.shard.dtype
         send = grad if grad.dtype == dtype else grad.to(dtype)
         out = torch.empty(unit.shard_numel, dtype=dtype, device=send.device)
         b.extra["out"] = out
         self._event("reduce_started", unit)
-        work = reduce_scatter_sum(out, send.view(self.world_size, unit.shard_numel), self.group, unit.ring)
+        work = reduce_scatter_sum(out, send.view(self.world_size, unit.shard_numel), self.group, unit.ring,
+                                  unit.what_reduce)
         unit.full.grad = None  # the full gradient is not kept: only this rank's shard of it
         return work
 
@@ -408,12 +421,16 @@ class FSDP(nn.Module):
         buckets = self._engine.buckets
         # A unit no rank used in this step gets no gradient (None), as a module unused in one process would: the
         # optimizer then skips it. Agreed in one small all-reduce, read back only on a rank that lacked a unit.
+        # The divergence detector's digest (d, d^2) rides along (nanodist.diverge).
         had = [b.extra["unit"].had_grad for b in buckets]
         if W > 1 and buckets:
-            flags = torch.tensor([float(h) for h in had], device=self.group.comm_device)
-            dist.all_reduce(flags, group=self.group.pg)
+            flags = torch.tensor([float(h) for h in had] + list(diverge.agreement_values(self.group)),
+                                 dtype=torch.float64, device=self.group.comm_device)
+            with diverge.waiting(diverge.issue(self.group, "FSDP agreement (which units had a gradient)")):
+                dist.all_reduce(flags, group=self.group.pg)
+            self._digest_check.submit(flags[-2:], self.group)
             if not all(had):
-                had = [v > 0 for v in flags.tolist()]
+                had = [v > 0 for v in flags[:-2].tolist()]
         for b, used in zip(buckets, had):
             unit, out = b.extra["unit"], b.extra.pop("out")
             if not used:
@@ -455,7 +472,8 @@ class FSDP(nn.Module):
         for unit in live:
             sq += torch.linalg.vector_norm(unit.grad_shard, dtype=torch.float64).to(sq.device) ** 2
         if self.world_size > 1:
-            dist.all_reduce(sq, group=self.group.pg)
+            with diverge.waiting(diverge.issue(self.group, "FSDP gradient norm")):
+                dist.all_reduce(sq, group=self.group.pg)
         norm = sq.sqrt()
         coef = float(max_norm) / (float(norm) + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
         if coef < 1.0:
@@ -500,7 +518,8 @@ class FSDP(nn.Module):
         keep = all_ranks or self.group.is_main
         for unit in self.units:
             full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-            all_gather(full.view(self.world_size, unit.shard_numel), unit.shard, self.group, ring=False).wait()
+            all_gather(full.view(self.world_size, unit.shard_numel), unit.shard, self.group, ring=False,
+                       what=f"FSDP full_state_dict all-gather of unit {unit.name}").wait()
             if keep:
                 for name, o, shape in zip(unit.names, unit.offsets, unit.shapes):
                     out[name] = full[o:o + shape.numel()].view(shape).clone()
@@ -584,7 +603,7 @@ class FSDP(nn.Module):
     def _gather_flat(self, unit: Unit, flat: torch.Tensor, group: Group | None = None) -> torch.Tensor:
         full = torch.empty(unit.padded, dtype=flat.dtype, device=flat.device)
         all_gather(full.view(self.world_size, unit.shard_numel), flat, self.group if group is None else group,
-                   ring=False).wait()
+                   ring=False, what=f"FSDP state all-gather of unit {unit.name}").wait()
         return full
 
     @torch.no_grad()

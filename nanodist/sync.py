@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import diverge
 from .collectives import ring_all_gather, ring_reduce_scatter
 from .group import Group
 
@@ -48,12 +49,13 @@ class Work:
     get_future() for reduce-scatter, so the handle itself is what we keep. Work() is already done.
     """
 
-    def __init__(self, work=None, *tensors: torch.Tensor):
-        self.work, self.tensors = work, tensors
+    def __init__(self, work=None, *tensors: torch.Tensor, ticket=None):
+        self.work, self.tensors, self.ticket = work, tensors, ticket
 
     def wait(self) -> bool:
         if self.work is not None:
-            self.work.wait()
+            with diverge.waiting(self.ticket):  # the divergence detector's watchdog sees where this rank waits
+                self.work.wait()
         self.work, self.tensors = None, ()
         return True
 
@@ -74,7 +76,7 @@ class _CopyBack(Work):
     """A collective run on staged copies (see _staging): wait() also copies the result back where it belongs."""
 
     def __init__(self, work, dst: torch.Tensor, src: torch.Tensor, *keep: torch.Tensor):
-        super().__init__(work, src, *keep)
+        super().__init__(work, src, *keep, ticket=getattr(work, "ticket", None))
         self.dst, self.src = dst, src
 
     def wait(self) -> bool:
@@ -95,18 +97,21 @@ def _staging(group: Group, *tensors: torch.Tensor) -> torch.device | None:
     return device if any(t.device != device for t in tensors) else None
 
 
-def all_reduce_sum(buffer: torch.Tensor, group: Group) -> Work:
-    """Sum `buffer` over the group, in place, asynchronously."""
+def all_reduce_sum(buffer: torch.Tensor, group: Group, what: str = "all-reduce") -> Work:
+    """Sum `buffer` over the group, in place, asynchronously. `what` names it for the divergence detector."""
     if group.size == 1:
         return DONE
+    ticket = diverge.issue(group, what)
     staged = _staging(group, buffer)
     if staged is not None:
         copy = buffer.to(staged)
-        return _CopyBack(dist.all_reduce(copy, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), buffer, copy)
-    return Work(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), buffer)
+        work = Work(dist.all_reduce(copy, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), ticket=ticket)
+        return _CopyBack(work, buffer, copy)
+    return Work(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), buffer, ticket=ticket)
 
 
-def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool) -> Work:
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool,
+                       what: str = "reduce-scatter") -> Work:
     """out = the sum over ranks of row `rank` of inp, shape (size, *out.shape). The ring is synchronous."""
     if group.size == 1:
         out.copy_(inp[0])
@@ -114,16 +119,18 @@ def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Group, ring:
     staged = _staging(group, out, inp)
     if staged is not None:
         copy = torch.empty(out.shape, dtype=out.dtype, device=staged)
-        work = reduce_scatter_sum(copy, inp.to(staged), group, ring)
+        work = reduce_scatter_sum(copy, inp.to(staged), group, ring, what)
         return _CopyBack(work, out, copy)
+    ticket = diverge.issue(group, what)
     if ring:
-        ring_reduce_scatter(out, inp, group=group, check=False)  # shapes hold by construction
+        with diverge.waiting(ticket):
+            ring_reduce_scatter(out, inp, group=group, check=False)  # shapes hold by construction
         return DONE
     # The flat (concatenated) form: gloo's version rejects the stacked (size, row) one.
-    return Work(_reduce_scatter_single(out, inp.view(-1), group=group.pg, async_op=True), out, inp)
+    return Work(_reduce_scatter_single(out, inp.view(-1), group=group.pg, async_op=True), out, inp, ticket=ticket)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool) -> Work:
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool, what: str = "all-gather") -> Work:
     """Row r of out (shape (size, *inp.shape)) = rank r's inp. The ring is synchronous."""
     if group.size == 1:
         out[0].copy_(inp)
@@ -131,12 +138,14 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool) -
     staged = _staging(group, out, inp)
     if staged is not None:
         copy = torch.empty(out.shape, dtype=out.dtype, device=staged)
-        work = all_gather(copy, inp.to(staged), group, ring)
+        work = all_gather(copy, inp.to(staged), group, ring, what)
         return _CopyBack(work, out, copy)
+    ticket = diverge.issue(group, what)
     if ring:
-        ring_all_gather(out, inp, group=group, check=False)
+        with diverge.waiting(ticket):
+            ring_all_gather(out, inp, group=group, check=False)
         return DONE
-    return Work(_all_gather_single(out.view(-1), inp, group=group.pg, async_op=True), out, inp)
+    return Work(_all_gather_single(out.view(-1), inp, group=group.pg, async_op=True), out, inp, ticket=ticket)
 
 
 # ----------------------------------------------------------------------------- buckets

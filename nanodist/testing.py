@@ -44,7 +44,14 @@ def _worker(fn, rank, world_size, port, backend, args, kwargs, results, timeout)
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from . import runtime
+    from . import diverge, runtime
+
+    def report_divergence(report: str) -> None:  # the watchdog is about to end this process: say why first
+        results.put((rank, False, f"the divergence detector ended this rank:\n{report}"))
+        results.close()
+        results.join_thread()
+
+    diverge.fatal_hooks.append(report_divergence)
     try:
         runtime.init(backend=backend, timeout=timeout)
         value = fn(rank, world_size, *args, **kwargs)
@@ -74,6 +81,19 @@ def _context():
     return ctx
 
 
+def _others_reports(results, wait_s: float) -> str:
+    """What the other ranks said after one died (their errors explain the death more often than not)."""
+    said, deadline = [], time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if not ok:
+            said.append(f"\nrank {rank} said:\n{value}")
+    return "".join(said)
+
+
 def spawn(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, timeout: float = 120,
           backend: str = "gloo") -> list[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` processes; return their values by rank."""
@@ -100,7 +120,8 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None =
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
                 if dead:
                     raise WorkerError(dead[0], f"process exited with code {procs[dead[0]].exitcode} "
-                                               f"without reporting (killed, or crashed in native code)")
+                                               f"without reporting (killed, or crashed in native code)"
+                                               + _others_reports(results, min(3.0, max(0.0, left))))
                 continue
             if not ok:
                 raise WorkerError(rank, value)

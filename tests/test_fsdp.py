@@ -497,3 +497,31 @@ def test_a_parameter_frozen_after_wrapping_stays_frozen():
     for out in spawn(freeze_after_worker, 2, timeout=60):
         assert out["0.weight"] == 0.0 and out["0.bias"] > 0 and out["2.weight"] > 0
         assert "0.weight was unfrozen after wrapping" in out["refused"] and "before wrapping" in out["refused"]
+
+
+def clip_worker(rank, W):
+    from torch.distributed.fsdp import fully_shard
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    m = model()
+    fsdp = FSDP(m, units=[m[0]])
+    fsdp(x).square().sum().backward()
+    local = float(torch.nn.utils.clip_grad_norm_(fsdp.parameters(), 1e9))  # this rank's pieces only
+    ours = float(fsdp.clip_grad_norm_(1e9))
+    m2 = model()
+    fully_shard(m2[0], mesh=nd.Group.world().device_mesh)
+    fully_shard(m2, mesh=nd.Group.world().device_mesh)
+    m2(x).square().sum().backward()
+    theirs = float(torch.nn.utils.clip_grad_norm_(m2.parameters(), 1e9).full_tensor())  # DTensors: global
+    return local, ours, theirs
+
+
+def test_torchs_clip_over_fsdp_parameters_is_rank_local_and_fsdps_is_global():
+    outs = spawn(clip_worker, 2, timeout=60)
+    (l0, ours0, theirs0), (l1, ours1, _) = outs
+    assert ours0 == ours1 and ours0 == pytest.approx(theirs0, rel=1e-5)  # the global norm, as FSDP2's
+    assert l0 != l1 and max(l0, l1) < ours0  # torch's call over the local pieces: each rank its own, smaller

@@ -155,8 +155,9 @@ That matters for what comes after:
 - **checkpoints** (Chapter 6) want a layout that does not depend on how units were packed.
   `FSDP.state_dict()` therefore hands out every parameter as a `DTensor` `Shard(0)` of its own shape,
   FSDP2's layout, moving the pieces with one all-to-all per unit;
-- per-parameter dtypes and frozen parameters are easy with `Shard(0)`; a flat buffer needs one dtype and
-  one `requires_grad` per unit, so nanodist raises a clear error for a unit that mixes them.
+- per-parameter dtypes are easy with `Shard(0)`; a flat buffer needs one dtype per unit, so nanodist
+  raises a clear error for a unit that mixes them. Frozen parameters may sit in a trainable unit: their
+  part of the unit's gradient is computed and dropped, as in torch's FSDP1 with `use_orig_params`.
 
 FSDP2 pays for its layout at every collective: it copies the shards into one flat buffer before the
 all-gather and copies the gathered buffer out into the parameters afterwards (and the same for the
@@ -237,6 +238,16 @@ an error, because its update $m/\sqrt{v}$ barely changes when every gradient is 
 factor, but the gradient norm shows it at once, and so would SGD. With this torch FSDP2 averages
 correctly. On an affected release, `model.set_force_sum_reduction_for_comms(True)` makes FSDP2 reduce
 with `SUM` and divide by $N$ itself. nanodist always reduces with `SUM` and divides.
+
+**What the module holds, and clipping.** Between steps, `layer.weight` is this rank's piece of the
+weight: the same 1-D (possibly empty) `Parameter` the optimizer steps, and `fsdp.module.named_parameters()`
+names them all. Only while a unit is gathered are its attributes views of the full buffer. So reading a
+weight never touches freed memory, and `layer.weight.requires_grad_(False)` after wrapping freezes what
+the optimizer steps. One consequence to know: `torch.nn.utils.clip_grad_norm_(fsdp.parameters(), 1.0)`
+sees only this rank's pieces, so it returns a rank-local norm and clips each rank by a different factor
+(torch's FSDP1 behaves the same). Call `fsdp.clip_grad_norm_(1.0)`, which adds up every rank's squares in
+one all-reduce; the Trainer always does. In FSDP2 the parameters are DTensors, and the same torch call
+returns the global norm. `tests/test_fsdp.py` checks all three.
 
 One more trap, which the lab avoids: build the device mesh for a CPU run explicitly on the CPU
 (`init_device_mesh("cpu", ...)`; `nd.Group.device_mesh` does). On a machine with GPUs, `fully_shard`

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import diverge
 from ..group import Group
 from ..sync import DONE, Bucket, GradSync, Slot, Work, all_gather, all_reduce_sum, pack_buckets, reduce_scatter_sum
 from . import adamw as _adamw
@@ -127,6 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._engine: GradSync | None = None
         self._plan_key = None
         self._reduced = False
+        self._digest_check = diverge.PendingCheck(name)
         super().__init__(params, {})
         self._plan()  # the hooks are in place before the first backward
 
@@ -235,7 +237,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             slots = [Slot(pc.param, pc.start, pc.numel, pc.rank * row + pc.offset) for pc in mine if pc.numel]
             p0 = params[idx[0]]
             b = Bucket(len(buckets), idx, slots, W * row, p0.dtype, p0.device)
-            b.extra.update(row=row, pieces=mine, local=[pc for pc in mine if pc.rank == self.rank])
+            b.extra.update(row=row, pieces=mine, local=[pc for pc in mine if pc.rank == self.rank],
+                           what=f"ZeRO-{self.zero_stage} {'all-reduce' if self.zero_stage == 1 else 'reduce-scatter'}"
+                                f" of bucket {len(buckets)}", gather_what=f"ZeRO all-gather of bucket {len(buckets)}")
             buckets.append(b)
             pieces += mine
         self._buckets = buckets
@@ -271,7 +275,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # everyone adds up the rows. No closing barriers anywhere: a step runs reduce-scatter -> agreement ->
             # all-gather -> (next backward) reduce-scatter, and each of them has a barrier after its writes, so
             # between one operation's reads and the next write to the same memory there is always a barrier.
-            self._shm_agree = SharedMemoryAllReduce(len(self._params) + 1, torch.float64, self.group)
+            self._shm_agree = SharedMemoryAllReduce(len(self._params) + 3, torch.float64, self.group)
         except (ValueError, OSError) as e:  # raised on every rank alike
             for b in self._buckets:
                 b.extra.pop("shm", None)
@@ -318,11 +322,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                                           device=self._comm_device(b))
         self._pack(b, send, grads)
         if self.zero_stage == 1:
+            if b.extra.get("pending"):
+                diverge.note(self.group, f"it reduced bucket {b.index} again before a step (a backward without a step)")
             if shm is not None:
                 b.extra["send"] = shm.all_reduce_().view(W, row).clone()
                 return DONE
             b.extra["send"] = send
-            return all_reduce_sum(send, self.group)
+            return all_reduce_sum(send, self.group, b.extra["what"])
         b.extra["send"] = send
         for i in b.params:  # ZeRO-2: the full gradient is not kept; only this rank's reduced row will be
             self._params[i].grad = None
@@ -331,11 +337,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             shard = b.extra["shard"] = torch.zeros(row, dtype=b.dtype, device=send.device)
         # A shard not yet consumed by step() (another backward without a step in between) is added to.
         out = torch.empty_like(shard) if b.extra.get("pending") else shard
+        if b.extra.get("pending"):
+            diverge.note(self.group, f"it reduced bucket {b.index} again before a step (a backward without a step)")
         b.extra["out"] = out
         if shm is not None:
             shm.reduce_scatter_(out, fence=False)  # see _attach_shared_memory: the next barrier fences it
             return DONE
-        return reduce_scatter_sum(out, send, self.group, self.use_ring)
+        return reduce_scatter_sum(out, send, self.group, self.use_ring, b.extra["what"])
 
     def _blocks(self, b: Bucket) -> list[tuple]:
         """How each of this bucket's parameters travels: ("rows", i, offset, size) when its slices fill a
@@ -438,21 +446,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         has_grad, total = local, sq
         if not alone:
             device = self._small_device()
-            host = torch.tensor([1.0 if h else 0.0 for h in local] + [0.0], dtype=torch.float64,
-                                pin_memory=device.type == "cuda")
+            n = len(local)
+            # flags, the squared norm, and the divergence detector's digest of this rank's collectives (d, d^2)
+            host = torch.tensor([1.0 if h else 0.0 for h in local] + [0.0, *diverge.agreement_values(self.group)],
+                                dtype=torch.float64, pin_memory=device.type == "cuda")
             agree = host.to(device, non_blocking=True)
             if sq is not None:
-                agree[-1] = sq.to(device)
+                agree[n] = sq.to(device)
             shm = getattr(self, "_shm_agree", None)
             if shm is not None:
                 shm.mine.copy_(agree)
                 dist.barrier(group=self.group.pg)  # every row written; no closing barrier: see _attach_shared_memory
                 agree = shm.rows[:self.world_size].sum(0)
             else:
-                dist.all_reduce(agree, group=self.group.pg)
-            total = agree[-1]
+                with diverge.waiting(diverge.issue(self.group, "ZeRO agreement (gradient flags and norm)")):
+                    dist.all_reduce(agree, group=self.group.pg)
+            self._digest_check.submit(agree[n + 1:], self.group)
+            total = agree[n]
             if any(not h and b for h, b in zip(local, self._bucketed)):  # only here is a value read back
-                has_grad = [v > 0 for v in agree[:-1].tolist()]
+                has_grad = [v > 0 for v in agree[:n].tolist()]
         if clip_norm is None:
             return has_grad, None, None
         norm = total.sqrt()
@@ -582,7 +594,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return None
         gathered = torch.empty(self.world_size, b.extra["row"], dtype=b.dtype, device=mine.device)
         b.extra["gathered"] = gathered
-        return all_gather(gathered, out, self.group, self.use_ring)
+        return all_gather(gathered, out, self.group, self.use_ring, b.extra["gather_what"])
 
     def _update_items(self, b: Bucket, shard: torch.Tensor, has_grad: list[bool]) -> dict[int, list]:
         by_group: dict[int, list] = {}
