@@ -8,9 +8,11 @@
                 update this rank's pieces -> all-gather; DistAdamW, DistMuon, make_muon_optimizer
     adamw.py    AdamW's update on a dim-0 chunk
     muon.py     Muon's update on whole matrices, Newton-Schulz, the deal of matrices to ranks
+    zero1.py    ZeroOptimizer: ZeRO-1 over any torch optimizer, whole parameters dealt to the ranks
 """
 from .muon import newton_schulz, newton_schulz_singular_values, split_params_for_muon
 from .sharded import DistAdamW, DistMuon, MuonAdamW, Piece, ShardedOptimizer, make_muon_optimizer
+from .zero1 import ZeroOptimizer
 
-__all__ = ["DistAdamW", "DistMuon", "MuonAdamW", "ShardedOptimizer", "Piece", "split_params_for_muon", "make_muon_optimizer",
+__all__ = ["DistAdamW", "DistMuon", "MuonAdamW", "ShardedOptimizer", "ZeroOptimizer", "Piece", "split_params_for_muon", "make_muon_optimizer",
            "newton_schulz", "newton_schulz_singular_values"]
