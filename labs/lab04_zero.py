@@ -46,14 +46,20 @@ from nanodist.results import Recorder
 
 OPTS = {"ddp-adamw": ("nanodist", "adamw"), "dist-adamw": ("none", "dist-adamw"), "dist-muon": ("none", "dist-muon"),
         "ddp-muon": ("nanodist", "muon")}
+# --opt zero1: ZeRO-1 over torch's AdamW three ways, taking turns -- nanodist's ZeroOptimizer (bare model), torch DDP
+# + torch's ZeroRedundancyOptimizer, and torch DDP + the unsharded AdamW
+ZERO1 = {"zero1-adamw": ("none", "zero1-adamw"), "torch-zero-adamw": ("torch", "zero-redundancy-adamw"),
+         "torch-adamw": ("torch", "adamw")}
+OPTS.update(ZERO1)
 MEMORY_RUNS = (("ddp-adamw", 0, "DDP + AdamW"), ("dist-adamw", 1, "DistAdamW"), ("dist-adamw", 2, "DistAdamW"),
                ("dist-muon", 1, "DistMuon + DistAdamW"), ("dist-muon", 2, "DistMuon + DistAdamW"))
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--opt", choices=list(OPTS) + ["all"], nargs="+", default=["all"],
-                   help="which optimizers to train, taking turns (all: every one)")
+    p.add_argument("--opt", choices=list(OPTS) + ["all", "zero1"], nargs="+", default=["all"],
+                   help="which optimizers to train, taking turns (all: DDP+AdamW, DistAdamW, DistMuon, DDP+Muon; "
+                        "zero1: nanodist's ZeroOptimizer beside torch's ZeroRedundancyOptimizer and DDP+AdamW)")
     p.add_argument("--muon-lr", type=float, default=0.02, help="Muon learning rate (hidden matrices)")
     p.add_argument("--zero-stage", type=int, choices=[1, 2], default=2, help="for DistAdamW and DistMuon")
     p.add_argument("--collectives", choices=["auto", "ring", "torch"], default="auto",
@@ -131,7 +137,9 @@ def main():
     info = experiment.start(parser, args, min_steps=1 if args.memory_only else experiment.WARMUP_STEPS + 1,
                             extra_check=positive_muon_lr)
     group, data = info.group, experiment.load_data(args)
-    opts = list(OPTS) if "all" in args.opt else list(dict.fromkeys(args.opt))
+    named = [o for o in args.opt if o not in ("all", "zero1")]
+    opts = list(dict.fromkeys(([o for o in OPTS if o not in ZERO1] if "all" in args.opt else []) +
+                              (list(ZERO1) if "zero1" in args.opt else []) + named))
     rec = Recorder("lab04_zero", config=vars(args))
     if args.record_pipeline:
         pipeline = rec.metrics["pipeline"] = record_pipeline(args, data, group)
@@ -147,6 +155,8 @@ def main():
         return nd.shutdown()
 
     main_opt = "dist-adamw" if "dist-adamw" in opts else opts[0]
+    if len(opts) > 1 and any(o in ZERO1 for o in opts) and group.size == 1:
+        opts = [o for o in opts if o not in ("torch-zero-adamw", "torch-adamw")]  # torch's need a process group
     runs = {opt: experiment.build(args, data, group, wrapper=OPTS[opt][0], optimizer=OPTS[opt][1], name=opt,
                                   recorder=rec if opt == main_opt else None) for opt in opts}
     how = runs[main_opt]
@@ -186,6 +196,20 @@ def main():
         nd.print0(f"ratio DistAdamW/DDP+AdamW step time: {metrics['ratio_step_time_dist_adamw_vs_ddp_adamw']:.2f}")
         nd.print0(f"ratio optimizer-state bytes per rank DistAdamW/AdamW: "
                   f"{metrics['ratio_optimizer_state_dist_adamw_vs_adamw']:.2f}")
+    if "zero1-adamw" in results:
+        z = results["zero1-adamw"]
+        for other, key, label in (("torch-zero-adamw", "ratio_step_time_zero1_vs_torch_zero_redundancy",
+                                   "ZeroOptimizer / torch DDP + ZeroRedundancyOptimizer (both AdamW)"),
+                                  ("torch-adamw", "ratio_step_time_zero1_vs_torch_ddp_adamw",
+                                   "ZeroOptimizer / torch DDP + AdamW")):
+            if other in results:
+                metrics[key] = z["median_step_s"] / results[other]["median_step_s"]
+                nd.print0(f"ratio {label} step time: {metrics[key]:.2f}")
+        state = lambda r: max(m["optimizer_state"] for m in r["memory"])  # noqa: E731  (the worst rank)
+        full = 2 * 4 * z["params"]  # AdamW unsharded: two fp32 moments per element
+        metrics["ratio_optimizer_state_zero1_vs_adamw"] = state(z) / full
+        nd.print0(f"ratio optimizer-state bytes per rank ZeroOptimizer/AdamW: "
+                  f"{metrics['ratio_optimizer_state_zero1_vs_adamw']:.2f}")
     if "dist-muon" in results and "ddp-muon" in results:
         ratio = results["dist-muon"]["median_optimizer_step_s"] / results["ddp-muon"]["median_optimizer_step_s"]
         metrics["ratio_optimizer_step_dist_muon_vs_torch_muon"] = ratio

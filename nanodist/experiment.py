@@ -36,11 +36,14 @@ from .fsdp import FSDP
 from .group import Group
 from .memory import measure_memory, tensor_bytes
 from .model import GPT, PRESETS, GPTConfig
-from .optim import DistAdamW, MuonAdamW, make_muon_optimizer
+from .optim import DistAdamW, MuonAdamW, ZeroOptimizer, make_muon_optimizer
 from .train import TrainConfig, Trainer, autocast, grad_accum_steps
 
 WRAPPERS = ("single", "nanodist", "nanodist-pg", "torch", "naive", "none", "fsdp", "fsdp2")
-OPTIMIZERS = ("adamw", "muon", "dist-adamw", "dist-muon")  # muon: torch's Muon + AdamW (MuonAdamW)
+# muon: torch's Muon + AdamW (MuonAdamW); zero1-adamw: nanodist's ZeroOptimizer over torch's AdamW (bare model);
+# zero-redundancy-adamw: torch's ZeroRedundancyOptimizer over AdamW, behind a DDP wrapper
+OPTIMIZERS = ("adamw", "muon", "dist-adamw", "dist-muon", "zero1-adamw", "zero-redundancy-adamw")
+SELF_AVERAGING = ("dist-adamw", "dist-muon", "zero1-adamw")  # optimizers that average the gradients themselves
 WARMUP_STEPS = 3  # excluded from step times: the first steps pay for allocation and thread start-up
 
 
@@ -225,8 +228,8 @@ def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "ada
     if wrapper not in WRAPPERS or optimizer not in OPTIMIZERS:
         raise ValueError(f"wrapper must be one of {WRAPPERS} and optimizer one of {OPTIMIZERS}, got {wrapper!r}, "
                          f"{optimizer!r}")
-    if (wrapper == "none") != optimizer.startswith("dist-") or (optimizer == "muon" and wrapper.startswith("fsdp")):
-        raise ValueError(f"wrapper='none' (the bare model) goes with a sharded optimizer ('dist-adamw', 'dist-muon'), "
+    if (wrapper == "none") != (optimizer in SELF_AVERAGING) or (optimizer == "muon" and wrapper.startswith("fsdp")):
+        raise ValueError(f"wrapper='none' (the bare model) goes with a sharded optimizer ({', '.join(SELF_AVERAGING)}), "
                          f"which averages the gradients itself, and every other wrapper with 'adamw' (or, but for "
                          f"FSDP, whose flat shards are no matrices, 'muon'); got "
                          f"wrapper={wrapper!r} with optimizer={optimizer!r}")
@@ -269,6 +272,14 @@ def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "ada
                         betas=(0.9, 0.95))
     elif optimizer == "dist-adamw":
         opt = DistAdamW(raw.configure_param_groups(weight_decay), lr=args.lr, betas=(0.9, 0.95), **zero)
+    elif optimizer == "zero1-adamw":
+        opt = ZeroOptimizer(raw.configure_param_groups(weight_decay), torch.optim.AdamW, group=group,
+                            bucket_cap_mb=args.bucket_mb, lr=args.lr, betas=(0.9, 0.95))
+    elif optimizer == "zero-redundancy-adamw":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        groups = [{k: v for k, v in g.items() if k != "param_names"} for g in raw.configure_param_groups(weight_decay)]
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=group.pg, lr=args.lr,
+                                      betas=(0.9, 0.95))
     else:
         opt = make_muon_optimizer(raw, lr=args.lr, muon_lr=getattr(args, "muon_lr", 0.02),
                                   weight_decay=weight_decay, betas=(0.9, 0.95), **zero)

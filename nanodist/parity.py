@@ -16,7 +16,7 @@ The data (`batch`) is one global batch per step, cut into equal rows per rank: a
 mean loss is the one-process mean loss, so every data-parallel set-up computes the same averaged gradient as one
 process, up to the order of floating-point sums.
 
-A set-up (`SETUPS`, a registry: add your own with `register`) builds the wrapped model and its optimizer from a
+A set-up (`SETUPS`, a registry: add your own with `register`; "zero1-any" is ZeroOptimizer over torch's AdamW) builds the wrapped model and its optimizer from a
 fresh model on every rank; the runner trains it for k steps on `batch`, gathers every parameter whole, and
 `compare` measures it against one process trained on the whole batch with the set-up's reference optimizer.
 """
@@ -186,7 +186,7 @@ def _torch_ddp(model, group):
 def _register_builtins() -> None:
     from .ddp import DDP
     from .fsdp import FSDP
-    from .optim import DistAdamW
+    from .optim import DistAdamW, ZeroOptimizer
 
     register(Setup("one-process", lambda m, g: (m, _adamw(_trainable(m))), _replicated))
     register(Setup("ddp", lambda m, g: (DDP(m, group=g, find_unused_parameters=True),
@@ -197,6 +197,8 @@ def _register_builtins() -> None:
                                                        zero_stage=1)), _replicated))
     register(Setup("zero2", lambda m, g: (m, DistAdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, group=g)),
                    _replicated))
+    register(Setup("zero1-any", lambda m, g: (m, ZeroOptimizer(m.parameters(), torch.optim.AdamW, group=g, module=m,
+                                                               lr=LR, weight_decay=WEIGHT_DECAY)), _replicated))
     register(Setup("muon", lambda m, g: (m, _muon_sharded(m, g)), _replicated, reference="muon"))
     register(Setup("fsdp", lambda m, g: _fsdp_with_adamw(FSDP(m, units=[*m.blocks, m.aux], group=g)), _fsdp_full))
     register(Setup("fsdp2", _fsdp2, _fsdp2_full, needs_group=True))

@@ -8,7 +8,7 @@ import torch
 from nanodist import parity
 from nanodist.testing import spawn
 
-SETUPS = ["ddp", "torch-ddp", "zero1", "zero2", "muon", "fsdp", "fsdp2"]
+SETUPS = ["ddp", "torch-ddp", "zero1", "zero2", "zero1-any", "muon", "fsdp", "fsdp2"]
 # fp32 sums taken in another order (per rank, then across ranks): measured at most 1.3e-6 of the training's own
 # movement at W = 1, 2, 3 on an Intel Xeon (AVX-512); 1e-4 leaves a margin of ~75 for other kernels, and one
 # rank's gradient scaled by 1.001 gives 5e-4 or more (test_a_planted_error_fails below).

@@ -89,6 +89,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         local = [{**{k: v for k, v in grp.items() if k not in HYPER_SKIP}, "params": self._mine(grp["params"])}
                  for grp in self.param_groups]
         self.inner = optimizer_class(local, **defaults)
+        self.state = self.inner.state  # one state, the wrapped optimizer's: memory accounting and tools see it
         for grp, inner in zip(self.param_groups, self.inner.param_groups):  # the wrapped optimizer's own defaults
             for k, v in inner.items():
                 if k not in HYPER_SKIP:
@@ -399,8 +400,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  "params": list(range(at, at + len(grp["params"])))})
             at += len(grp["params"])
         self.inner.load_state_dict({"state": state, "param_groups": inner_groups})
+        self.state = self.inner.state  # torch's load replaced it
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The gradient memory kept between steps: this rank's averaged rows (its parameters' gradients)."""
+        return [b.extra["shard"] for b in self._buckets if "shard" in b.extra]
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (tensors only)."""
-        return sum(t.numel() * t.element_size() for st in self.inner.state.values() for t in st.values()
+        return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values()
                    if torch.is_tensor(t))
