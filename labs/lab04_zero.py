@@ -52,7 +52,8 @@ ZERO1 = {"zero1-adamw": ("none", "zero1-adamw"), "torch-zero-adamw": ("torch", "
          "torch-adamw": ("torch", "adamw")}
 OPTS.update(ZERO1)
 MEMORY_RUNS = (("ddp-adamw", 0, "DDP + AdamW"), ("dist-adamw", 1, "DistAdamW"), ("dist-adamw", 2, "DistAdamW"),
-               ("dist-muon", 1, "DistMuon + DistAdamW"), ("dist-muon", 2, "DistMuon + DistAdamW"))
+               ("dist-muon", 1, "DistMuon + DistAdamW"), ("dist-muon", 2, "DistMuon + DistAdamW"),
+               ("zero1-adamw", 1, "ZeroOptimizer + AdamW"))
 
 
 def parse_args():
