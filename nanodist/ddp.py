@@ -66,16 +66,8 @@ class _SyncBase(nn.Module):
     def _check_same_structure(self) -> None:
         """Every rank must wrap the same architecture, or the collectives below would hang or corrupt."""
         sparse = {id(p) for m in self.module.modules() if getattr(m, "sparse", False) is True for p in m.parameters()}
-        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, id(p) in sparse)
-                for n, p in self.module.named_parameters()]
-        everyone = self.group.all_gather_object(mine)
-        for r, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b), None)
-                what = (f"first difference: rank 0 has {diff[0]}, rank {r} has {diff[1]}" if diff else
-                        f"rank 0 has {len(everyone[0])} parameters, rank {r} has {len(theirs)}")
-                raise ValueError(f"DDP: ranks wrap different models ({what}). Build the same model, with the "
-                                 f"same frozen parameters, on every rank.")
+        self.group.check_same([(n, tuple(p.shape), str(p.dtype), p.requires_grad, id(p) in sparse)
+                               for n, p in self.module.named_parameters()], "DDP")
 
     def _broadcast_from_rank0(self) -> list[str]:
         """Make every rank start from rank 0's parameters and buffers; return the names that differed."""

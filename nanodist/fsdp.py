@@ -272,15 +272,8 @@ class FSDP(nn.Module):
     # --- set-up ----------------------------------------------------------------------------------------
 
     def _check_same_model(self) -> None:
-        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.module.named_parameters()]
-        everyone = self.group.all_gather_object(mine)
-        for r, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b), None)
-                what = (f"first difference: rank 0 has {diff[0]}, rank {r} has {diff[1]}" if diff else
-                        f"rank 0 has {len(everyone[0])} parameters, rank {r} has {len(theirs)}")
-                raise ValueError(f"FSDP: ranks wrap different models ({what}). Build the same model, with the same "
-                                 f"frozen parameters, on every rank.")
+        self.group.check_same([(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                               for n, p in self.module.named_parameters()], "FSDP")
 
     @staticmethod
     def _unit_of(mod: nn.Module, units: list[nn.Module]) -> int | None:

@@ -109,6 +109,21 @@ class Group:
         dist.broadcast_object_list(box, src=self.global_rank(src), group=self.pg)
         return box[0]
 
+    def check_same(self, mine: list, who: str) -> None:
+        """Raise the same ValueError on every member unless all pass equal lists (one entry per parameter: name,
+        shape, dtype, requires_grad, ...); it names the first difference. Wrappers call it before any collective
+        that the difference would hang or corrupt."""
+        everyone = self.all_gather_object(mine)
+        for r, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b), None)
+                what = (f"first difference: rank {self.global_rank(0)} has {diff[0]}, rank {self.global_rank(r)} "
+                        f"has {diff[1]}" if diff else
+                        f"rank {self.global_rank(0)} has {len(everyone[0])} parameters, rank {self.global_rank(r)} "
+                        f"has {len(theirs)}")
+                raise ValueError(f"{who}: ranks wrap different models ({what}). Build the same model, with the "
+                                 f"same frozen parameters, on every rank.")
+
     @torch.no_grad()
     def broadcast_from_first(self, named: list[tuple[str, torch.Tensor]]) -> list[str]:
         """Give every rank the group's rank 0's values of these tensors (in place); return the names whose values

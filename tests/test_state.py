@@ -50,6 +50,9 @@ class SignMomentum(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None:

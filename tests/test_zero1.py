@@ -12,30 +12,9 @@ import nanodist.parallel
 from nanodist.ddp import DDP
 from nanodist.optim import ZeroOptimizer
 from nanodist.testing import spawn
+from tests.test_state import SignMomentum  # an optimizer nanodist has never heard of
 
 pytestmark = pytest.mark.dist
-
-
-class SignMomentum(torch.optim.Optimizer):
-    """An optimizer nanodist has never heard of."""
-
-    def __init__(self, params, lr=0.01, beta=0.9):
-        super().__init__(params, {"lr": lr, "beta": beta})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["velocity"] = torch.zeros_like(p)
-                st["velocity"].mul_(g["beta"]).add_(p.grad)
-                p.add_(st["velocity"].sign(), alpha=-g["lr"])
 
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)), "adamw": (torch.optim.AdamW, dict(lr=0.01)),
