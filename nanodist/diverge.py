@@ -28,6 +28,7 @@ all-reduce that runs anyway; the watchdog wakes twice a second and touches the s
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import json
@@ -48,6 +49,7 @@ _codes: dict[str, int] = {}
 _trackers: dict[tuple, "Tracker"] = {}
 _lock = threading.Lock()
 _watchdog: threading.Thread | None = None
+_stopping = threading.Event()
 fatal_hooks: list = []  # functions(report) called before the watchdog ends the process (nanodist.testing's)
 
 
@@ -272,8 +274,24 @@ def _start_watchdog() -> None:
         return
     with _lock:
         if _watchdog is None:
+            _stopping.clear()
             _watchdog = threading.Thread(target=_watch, name="nanodist-divergence-watchdog", daemon=True)
             _watchdog.start()
+            atexit.register(stop)
+
+
+def stop() -> None:
+    """Stop the watchdog and forget the trackers: before the process group and its store go away (nanodist's
+    shutdown calls it, and so does the interpreter's exit), so that no store call is left running while the
+    process tears them down (a store call failing during teardown ends the process with SIGABRT)."""
+    global _watchdog
+    thread = _watchdog
+    if thread is not None:
+        _stopping.set()
+        if thread is not threading.current_thread():
+            thread.join(timeout=5)
+    _watchdog = None
+    _trackers.clear()
 
 
 def _main_stack(limit: int = 6) -> str:
@@ -292,8 +310,7 @@ def _state(t: Tracker) -> dict:
 
 def _watch() -> None:
     store = None
-    while True:
-        time.sleep(POLL_S)
+    while not _stopping.wait(POLL_S):
         try:
             if store is None:
                 store = _store()

@@ -199,7 +199,9 @@ def measure_memory(model: torch.nn.Module, optimizer=None) -> MemoryReport:
     by_key: dict[str, int] = {}
     scalars = 0
     if optimizer is not None:
-        for state in optimizer.state.values():
+        # torch's ZeroRedundancyOptimizer keeps its state in the optimizer it wraps (.optim), over its own share
+        holder = optimizer.optim if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else optimizer
+        for state in holder.state.values():
             for key, value in state.items():
                 for t in _tensors(value):
                     n = tensor_bytes([t], seen)

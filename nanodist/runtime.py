@@ -387,6 +387,8 @@ def _describe_group(device, seed: int) -> DistInfo:
 def shutdown() -> None:
     """Leave the run cleanly: destroy the process group init() created. Safe to call twice."""
     global _info, _owns_group
+    from . import diverge
+    diverge.stop()  # its watchdog talks to the store: stopped before the store goes
     if _owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _info, _owns_group = None, False
