@@ -33,6 +33,8 @@ def _build(model, wrapper):
 
 
 def fault_worker(rank, W, bad, fault):
+    if fault != "skip-unit":  # the default stall (3 s) is what skip-unit checks; the others wait 1 s, to be quick
+        os.environ["NANODIST_STALL_S"] = "1"
     model = parity.UserModel(layers=3)
     m, opt = _build(model, "zero2" if fault == "extra-backward" else "fsdp")
     if rank == bad and fault == "skip-unit":
