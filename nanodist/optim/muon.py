@@ -123,10 +123,12 @@ def check_param(p: torch.Tensor, where: str) -> None:
                          f"parameters into the two).")
 
 
-def deal(numels: list[int], world_size: int) -> list[int]:
-    """The owner of each matrix: largest first, each to the least-loaded rank (ties: the lower matrix index, the
-    lower rank). Depends only on the sizes, their order and world_size."""
-    load, owner = [0] * world_size, [0] * len(numels)
+def deal(numels: list[int], world_size: int, load: list[int] | None = None) -> list[int]:
+    """The owner of each matrix (or whole parameter): largest first, each to the least-loaded rank (ties: the lower
+    index, the lower rank), starting from `load` (elements each rank owns already; updated in place). Depends only
+    on the sizes, their order, world_size and load."""
+    load = [0] * world_size if load is None else load
+    owner = [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
         r = min(range(world_size), key=lambda k: (load[k], k))
         owner[i] = r

@@ -37,20 +37,9 @@ import torch.distributed as dist
 from .. import diverge
 from ..group import Group
 from ..sync import GradSync, Slot, Bucket, all_gather, pack_buckets, reduce_scatter_sum
+from .muon import deal  # Muon deals whole matrices the same way
 
 HYPER_SKIP = ("params", "param_names")
-
-
-def deal(numels: list[int], world_size: int, load: list[int] | None = None) -> list[int]:
-    """The owner of each parameter: largest first, each to the least-loaded rank (ties: the lower index, the lower
-    rank), starting from `load` (elements each rank owns already). Depends only on the sizes and their order."""
-    load = list(load) if load is not None else [0] * world_size
-    owner = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        r = min(range(world_size), key=lambda k: (load[k], k))
-        owner[i] = r
-        load[r] += numels[i]
-    return owner
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -104,9 +93,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         new = self.param_groups[-1]["params"]
         fresh = [p for p in new if id(p) not in self._owner]
-        for p, r in zip(fresh, deal([p.numel() for p in fresh], self.world_size, self._load)):
+        for p, r in zip(fresh, deal([p.numel() for p in fresh], self.world_size, self._load)):  # updates _load
             self._owner[id(p)] = r
-            self._load[r] += p.numel()
         if self.inner is not None:
             grp = self.param_groups[-1]
             self.inner.add_param_group({**{k: v for k, v in grp.items() if k not in HYPER_SKIP},
@@ -285,7 +273,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._reduce_now()
-        has_grad, coef = self._agreement if self._agreement is not None else self._agree(None)[:1] + (None,)
+        if self._agreement is None:
+            self._agreement = self._agree(None)[0], None  # no clipping asked: only which parameters had a gradient
+        has_grad, coef = self._agreement
         if self.world_size == 1:
             if coef is not None:
                 for p in self._params:
