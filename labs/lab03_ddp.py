@@ -54,7 +54,7 @@ def single_only(args, world_size):
     return None
 
 
-def verify_equivalence(args, data, group, steps: int = 5) -> dict:
+def verify_equivalence(cfg, data, group, steps: int = 5) -> dict:
     """Averaging gradients over N ranks == one process on the N-times bigger batch: run both, compare.
 
     Every rank trains nanodist DDP on its own micro-batch; rank 0 also trains a plain copy of the model
@@ -62,16 +62,16 @@ def verify_equivalence(args, data, group, steps: int = 5) -> dict:
     rounding differences stay rounding-sized (Adam's g / sqrt(v) turns the noise in a near-zero gradient
     into a full-size step of either sign). Returns the largest gradient and parameter differences per step.
     """
-    model = experiment.build_model(args, data.vocab_size, group.device)
+    model = experiment.build_model(cfg, data.vocab_size, group.device)
     big = GPT(model.config).to(group.device)
     big.load_state_dict(model.state_dict())
     planted = GPT(model.config).to(group.device)  # the same, with a bug: rank 0's gradient 1.001 x too large
     planted.load_state_dict(model.state_dict())
-    ddp = nd.DDP(model, bucket_cap_mb=args.bucket_mb, group=group)
-    planted_ddp = nd.DDP(planted, bucket_cap_mb=args.bucket_mb, group=group)
+    ddp = nd.DDP(model, bucket_cap_mb=cfg.bucket_mb, group=group)
+    planted_ddp = nd.DDP(planted, bucket_cap_mb=cfg.bucket_mb, group=group)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, big)]
-    stream = TokenStream(data.tokens, batch_size=args.micro_batch, block_size=args.seq_len,
-                                    rank=group.rank, world_size=group.size, seed=args.seed, device=group.device)
+    stream = TokenStream(data.tokens, batch_size=cfg.micro_batch, block_size=cfg.seq_len,
+                                    rank=group.rank, world_size=group.size, seed=cfg.seed, device=group.device)
     grad_diffs, param_diffs, planted_diff = [], [], None
     for step in range(steps):
         x, y = next(stream)
@@ -96,17 +96,17 @@ def verify_equivalence(args, data, group, steps: int = 5) -> dict:
         if group.is_main:
             param_diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), big.parameters())))
     return {"steps": steps, "grad_max_abs_diff": grad_diffs, "max_abs_diff": param_diffs,
-            "planted_grad_max_abs_diff": planted_diff, "global_batch": args.micro_batch * group.size}
+            "planted_grad_max_abs_diff": planted_diff, "global_batch": cfg.micro_batch * group.size}
 
 
-def baseline_from_files(args, world_size: int, impl: str) -> dict | None:
+def baseline_from_files(cfg, world_size: int, impl: str) -> dict | None:
     """The latest 1-rank run of this lab with the same model and batch, on this machine, if one exists."""
     host = hardware_fingerprint()["hostname"]
     keys = ("model", "micro_batch", "seq_len", "scaling", "dtype", "threads")
     same = [r for r in load_all("lab03_ddp") if r["world_size"] == 1 and r["hardware"].get("hostname") == host
-            and all(r["config"].get(k) == getattr(args, k) for k in keys)
-            and (args.scaling == "weak" or r["config"].get("total_batch_tokens") ==
-                 experiment.total_batch(args, world_size))]
+            and all(r["config"].get(k) == getattr(cfg, k) for k in keys)
+            and (cfg.scaling == "weak" or r["config"].get("total_batch_tokens") ==
+                 experiment.total_batch(cfg, world_size))]
     for r in reversed(same):
         for name in (impl, "single"):
             if name in r["metrics"].get("impls", {}):
@@ -117,19 +117,21 @@ def baseline_from_files(args, world_size: int, impl: str) -> dict | None:
 def main():
     parser, args = parse_args()
     info = experiment.start(parser, args, extra_check=single_only)
-    group, data = info.group, experiment.load_data(args)
+    cfg = experiment.RunConfig.from_args(args, info.device)
+    group, data = info.group, experiment.load_data(cfg)
     impls = ["torch", "nanodist", "naive"] if args.impl == "all" else [args.impl]
-    shm = experiment.use_shared_memory(args, group)
+    shm = experiment.use_shared_memory(cfg, group)
     if args.impl == "all" and shm:
         impls.insert(2, "nanodist-pg")  # the like-for-like comparison: the same transport as torch DDP
     if (args.baseline if args.baseline is not None else args.impl == "all") and group.size > 1:
         impls = ["single"] + impls
         nd.print0("== baseline: rank 0 trains alone, in turns with the others, while the other ranks wait")
     main_impl = "nanodist" if args.impl == "all" else args.impl
-    rec = Recorder("lab03_ddp", config={**vars(args), "total_batch_tokens": experiment.total_batch(args, group.size)})
+    rec = Recorder("lab03_ddp", config={**vars(args), **cfg.to_dict(),
+                                       "total_batch_tokens": experiment.total_batch(cfg, group.size)})
     nd.print0(f"== {', '.join(impls)}: {group.size} rank(s), {args.scaling} scaling, {args.steps} steps each, "
               f"taking turns every {BLOCK_STEPS} steps")
-    runs = {impl: experiment.build(args, data, group, wrapper=impl, name=impl, record_timeline=args.timeline,
+    runs = {impl: experiment.build(cfg, data, group, wrapper=impl, name=impl, record_timeline=args.timeline,
                                    recorder=rec if impl == main_impl else None)
             for impl in impls if impl != "single" or group.is_main}
     bar = None
@@ -145,7 +147,7 @@ def main():
 
     metrics = {"impls": results, "main_impl": main_impl, "tokens_per_s": results[main_impl]["tokens_per_s"]}
     if args.verify:
-        v = metrics["verify"] = verify_equivalence(args, data, group)
+        v = metrics["verify"] = verify_equivalence(cfg, data, group)
         nd.print0("N x b == 1 x Nb: largest gradient / parameter difference per step: " +
                   ", ".join(f"{g:.1e}/{d:.1e}" for g, d in zip(v["grad_max_abs_diff"], v["max_abs_diff"])))
         if group.is_main:  # (rank 0 computed the comparison)
@@ -176,7 +178,7 @@ def main():
                   f"{1e6 * cost:.1f} us)")
     base, source = results.get("single"), "same run"
     if base is None and group.size > 1:
-        base, source = baseline_from_files(args, group.size, main_impl), "an earlier 1-rank run"
+        base, source = baseline_from_files(cfg, group.size, main_impl), "an earlier 1-rank run"
     if base is not None and group.size > 1:
         speedup = results[main_impl]["tokens_per_s"] / base["tokens_per_s"]
         metrics.update(speedup=speedup, efficiency=speedup / group.size, baseline_source=source)

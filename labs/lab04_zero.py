@@ -73,28 +73,25 @@ def parse_args():
                    help="also record one DistAdamW step of a toy model (every rank's buffers) and which matrices "
                         "each rank's Muon groups update")
     experiment.add_arguments(p, steps=30)
-    args = p.parse_args()
-    if args.memory_only:
-        args.shared_memory = "off"  # memory of the algorithm, not of a transport's buffers
-    return p, args
+    return p, p.parse_args()
 
 
 def positive_muon_lr(args, world_size):
     return experiment.check_positive(args, ["muon_lr"], "a positive finite number", integer=False)
 
 
-def record_pipeline(args, data, group) -> dict:
+def record_pipeline(cfg, data, group) -> dict:
     """One DistAdamW step of a toy model, every buffer of every rank; and the matrices each rank's Muon owns.
 
     The toy model is an nn.Linear(5, 2): a (2, 5) weight and a (2,) bias, 12 numbers in all, so that a figure
     can print each one. Every rank feeds it its own random batch, so the local gradients differ.
     """
-    torch.manual_seed(args.seed)
+    torch.manual_seed(cfg.seed)
     toy = torch.nn.Linear(5, 2).to(group.device)
     names = ["weight", "bias"]
     before = [p.detach().cpu().flatten().tolist() for p in toy.parameters()]
     opt = DistAdamW([{"params": list(toy.parameters()), "param_names": names}], lr=0.1, weight_decay=0.0,
-                    zero_stage=2, collectives=args.collectives, group=group)
+                    zero_stage=2, collectives=cfg.collectives, group=group)
     g = torch.Generator().manual_seed(nd.dist_info().data_seed)  # a different batch on every rank
     x, y = torch.randn(4, 5, generator=g).to(group.device), torch.randn(4, 2, generator=g).to(group.device)
     opt.record_next_step()  # before backward: the gradients are reduce-scattered (and freed) while it runs
@@ -105,27 +102,27 @@ def record_pipeline(args, data, group) -> dict:
              "piece": None if e["piece"] is None else list(e["piece"]), "grad_shard": flat(e["grad_shard"]),
              "updated_shard": flat(e["updated_shard"]), "param": flat(e["param"])} for e in opt.recorded]
 
-    model = experiment.build_model(args, data.vocab_size, group.device)
-    opt = make_muon_optimizer(model, collectives=args.collectives, group=group)
-    idx = torch.randint(0, data.vocab_size, (2, args.seq_len), generator=g).to(group.device)
+    model = experiment.build_model(cfg, data.vocab_size, group.device)
+    opt = make_muon_optimizer(model, collectives=cfg.collectives, group=group)
+    idx = torch.randint(0, data.vocab_size, (2, cfg.seq_len), generator=g).to(group.device)
     model(idx, idx)[1].backward()
     opt.step()
     named = [(n, p) for grp in opt.param_groups if grp["kind"] == "muon" for n, p in zip(grp["param_names"], grp["params"])]
     owned = [{"name": n, "shape": list(p.shape), "numel": p.numel()} for n, p in named if opt.state.get(p)]
     return {"toy": {"before": before, "names": names, "ranks": group.all_gather_object(mine)},
-            "muon": {"model": args.model, "matrices": [{"name": n, "shape": list(p.shape), "numel": p.numel()}
+            "muon": {"model": cfg.model, "matrices": [{"name": n, "shape": list(p.shape), "numel": p.numel()}
                                                         for n, p in named],
                      "owned": group.all_gather_object(owned)}}
 
 
-def measure_stages(opts, args, data, group) -> list[dict]:
+def measure_stages(opts, cfg, data, group) -> list[dict]:
     """--memory-only: each configuration trains --steps steps, then memory is measured after one more."""
     out = []
     for opt, stage, label in MEMORY_RUNS:
         if opt in opts:
-            run = experiment.build(args, data, group, wrapper=OPTS[opt][0], optimizer=OPTS[opt][1], name=opt,
+            run = experiment.build(cfg, data, group, wrapper=OPTS[opt][0], optimizer=OPTS[opt][1], name=opt,
                                    zero_stage=stage or None)
-            run.trainer.fit(max_steps=args.steps)
+            run.trainer.fit(max_steps=cfg.steps)
             memory = experiment.measure_memory_step(run)
             out.append({"opt": opt, "stage": stage, "label": label, "world_size": group.size,
                         "num_params": run.raw.num_params(), "loss": round(run.trainer.history[-1]["loss"], 5),
@@ -137,17 +134,19 @@ def main():
     parser, args = parse_args()
     info = experiment.start(parser, args, min_steps=1 if args.memory_only else experiment.WARMUP_STEPS + 1,
                             extra_check=positive_muon_lr)
-    group, data = info.group, experiment.load_data(args)
+    # --memory-only: the memory of the algorithm, not of a transport's buffers
+    cfg = experiment.RunConfig.from_args(args, info.device, **({"shared_memory": "off"} if args.memory_only else {}))
+    group, data = info.group, experiment.load_data(cfg)
     named = [o for o in args.opt if o not in ("all", "zero1")]
     opts = list(dict.fromkeys(([o for o in OPTS if o not in ZERO1] if "all" in args.opt else []) +
                               (list(ZERO1) if "zero1" in args.opt else []) + named))
-    rec = Recorder("lab04_zero", config=vars(args))
+    rec = Recorder("lab04_zero", config={**vars(args), **cfg.to_dict()})
     if args.record_pipeline:
-        pipeline = rec.metrics["pipeline"] = record_pipeline(args, data, group)
+        pipeline = rec.metrics["pipeline"] = record_pipeline(cfg, data, group)
         for r, owned in enumerate(pipeline["muon"]["owned"]):
             nd.print0(f"DistMuon rank {r}: {len(owned)} matrices, {sum(m['numel'] for m in owned)} elements")
     if args.memory_only:
-        rec.metrics["memory"] = measure_stages(opts, args, data, group)
+        rec.metrics["memory"] = measure_stages(opts, cfg, data, group)
         for run in rec.metrics["memory"]:
             worst = max(run["memory"], key=lambda m: m["total"])
             nd.print0(f"stage {run['stage']} {run['label']:>20}: per rank (max) params {worst['params']} B  grads "
@@ -158,10 +157,10 @@ def main():
     main_opt = "dist-adamw" if "dist-adamw" in opts else opts[0]
     if len(opts) > 1 and any(o in ZERO1 for o in opts) and group.size == 1:
         opts = [o for o in opts if o not in ("torch-zero-adamw", "torch-adamw")]  # torch's need a process group
-    runs = {opt: experiment.build(args, data, group, wrapper=OPTS[opt][0], optimizer=OPTS[opt][1], name=opt,
+    runs = {opt: experiment.build(cfg, data, group, wrapper=OPTS[opt][0], optimizer=OPTS[opt][1], name=opt,
                                   recorder=rec if opt == main_opt else None) for opt in opts}
     how = runs[main_opt]
-    nd.print0(f"== {', '.join(opts)}: {group.size} rank(s), {args.model} model, {args.steps} steps each, taking turns "
+    nd.print0(f"== {', '.join(opts)}: {group.size} rank(s), {cfg.model} model, {args.steps} steps each, taking turns "
               f"step by step; gradients through {experiment.transport(how)}")
     bar = None
     if group.is_main and not args.no_progress:

@@ -50,9 +50,7 @@ def parse_args():
     p.add_argument("--checkpointing-compare", action="store_true",
                    help="FSDP with and without activation checkpointing: saved activations, peak, step time")
     experiment.add_arguments(p, steps=20)
-    args = p.parse_args()
-    args.shared_memory = "off"  # every run through the process group: like for like with FSDP2
-    return p, args
+    return p, p.parse_args()
 
 
 def check_budget(args, world_size):
@@ -90,14 +88,14 @@ def peak_bound(run, memory: dict) -> dict:
     return {**parts, "bound": sum(parts.values()), "peak": memory["peak"]}
 
 
-def memory_stages(args, data, group) -> list[dict]:
+def memory_stages(cfg, data, group) -> list[dict]:
     """Parameters, gradients and optimizer state per rank at stages 0-3, measured after a step, with the formula."""
-    num_params = experiment.build_model(args, data.vocab_size, "meta").num_params()  # before any wrapper shards it
+    num_params = experiment.build_model(cfg, data.vocab_size, "meta").num_params()  # before any wrapper shards it
     out = []
     for name, stage, label in STAGES:
         wrapper, opt, zero_stage = IMPLS[name]
-        run = experiment.build(args, data, group, wrapper=wrapper, optimizer=opt, name=name, zero_stage=zero_stage)
-        run.trainer.fit(max_steps=args.steps)
+        run = experiment.build(cfg, data, group, wrapper=wrapper, optimizer=opt, name=name, zero_stage=zero_stage)
+        run.trainer.fit(max_steps=cfg.steps)
         memory = experiment.measure_memory_step(run)
         out.append({"impl": name, "stage": stage, "label": label, "world_size": group.size, "num_params": num_params,
                     "formula": zero_memory_bytes(num_params, group.size, stage, 4, 4, 8),  # fp32 AdamW
@@ -105,14 +103,14 @@ def memory_stages(args, data, group) -> list[dict]:
     return out
 
 
-def record_timeline(args, data, group) -> dict:
+def record_timeline(cfg, data, group) -> dict:
     """The events of FSDP's last step (gathers, frees, reduce-scatters, with times), with prefetch and without."""
     out = {}
     for prefetch in (True, False):
-        args.no_prefetch = not prefetch
         timeline = FSDPTimeline()
-        run = experiment.build(args, data, group, wrapper="fsdp", name="fsdp", observer=timeline)
-        run.trainer.fit(max_steps=args.steps - 1)
+        run = experiment.build(cfg.replace(prefetch=prefetch), data, group, wrapper="fsdp", name="fsdp",
+                               observer=timeline)
+        run.trainer.fit(max_steps=cfg.steps - 1)
         timeline.events.clear()
         run.trainer.fit(max_steps=1)
         out["prefetch" if prefetch else "no_prefetch"] = {
@@ -120,36 +118,33 @@ def record_timeline(args, data, group) -> dict:
             "units": [{"name": u.name, "bytes": u.full_bytes} for u in run.model.units]}
         if prefetch:  # and its memory, operation by operation, next to DDP's
             out["memory_trace"] = {"fsdp": experiment.measure_peak_step(run, trace=True)}
-    args.no_prefetch = False
-    ddp = experiment.build(args, data, group, wrapper="nanodist-pg", name="ddp")
-    ddp.trainer.fit(max_steps=args.steps)
+    ddp = experiment.build(cfg, data, group, wrapper="nanodist-pg", name="ddp")
+    ddp.trainer.fit(max_steps=cfg.steps)
     out["memory_trace"]["ddp"] = experiment.measure_peak_step(ddp, trace=True)
     return out
 
 
-def checkpointing_compare(args, data, group) -> dict:
+def checkpointing_compare(cfg, data, group) -> dict:
     """FSDP without and with activation checkpointing of every Block: memory of one step, median step time."""
     out = {}
     for ckpt in (False, True):
-        args.checkpointing = ckpt
-        run = experiment.build(args, data, group, wrapper="fsdp", name=f"fsdp-ckpt{int(ckpt)}")
-        run.trainer.fit(max_steps=args.steps)
+        run = experiment.build(cfg.replace(checkpointing=ckpt), data, group, wrapper="fsdp", name=f"fsdp-ckpt{int(ckpt)}")
+        run.trainer.fit(max_steps=cfg.steps)
         times = [h["time_s"] for h in run.trainer.history[experiment.WARMUP_STEPS:]]
         out["on" if ckpt else "off"] = {**experiment.measure_peak_step(run), "median_step_s": statistics.median(times)}
-    args.checkpointing = False
     return out
 
 
-def compare(args, data, group, rec) -> dict:
+def compare(args, cfg, data, group, rec) -> dict:
     """DDP, ZeRO-2, nanodist FSDP and torch FSDP2 taking turns step by step; then one measured step each."""
     impls = list(IMPLS) if args.impl == "all" else [args.impl]
     timeline = FSDPTimeline()
-    runs = {name: experiment.build(args, data, group, wrapper=IMPLS[name][0], optimizer=IMPLS[name][1], name=name,
+    runs = {name: experiment.build(cfg, data, group, wrapper=IMPLS[name][0], optimizer=IMPLS[name][1], name=name,
                                    zero_stage=IMPLS[name][2], recorder=rec if name == impls[0] else None,
                                    observer=timeline if name == "fsdp" else None) for name in impls}
-    nd.print0(f"== {', '.join(impls)}: {group.size} rank(s), {args.model} model, micro-batch {args.micro_batch}, "
-              f"{args.steps} steps each, taking turns step by step, gradients through the process group")
-    take_turns({name: (lambda r=r: r.trainer.fit(max_steps=1)) for name, r in runs.items()}, rounds=args.steps,
+    nd.print0(f"== {', '.join(impls)}: {group.size} rank(s), {cfg.model} model, micro-batch {cfg.micro_batch}, "
+              f"{cfg.steps} steps each, taking turns step by step, gradients through the process group")
+    take_turns({name: (lambda r=r: r.trainer.fit(max_steps=1)) for name, r in runs.items()}, rounds=cfg.steps,
                group=group)
     results = {}
     for name, run in runs.items():
@@ -206,27 +201,29 @@ def main():
     timed = not (args.memory_only or args.timeline or args.checkpointing_compare)
     info = experiment.start(parser, args, min_steps=experiment.WARMUP_STEPS + 1 if timed or args.checkpointing_compare
                             else 1, extra_check=check_budget)
-    group, data = info.group, experiment.load_data(args)
-    rec = Recorder("lab05_fsdp", config=vars(args))
+    # every run through the process group: like for like with FSDP2
+    cfg = experiment.RunConfig.from_args(args, info.device, shared_memory="off")
+    group, data = info.group, experiment.load_data(cfg)
+    rec = Recorder("lab05_fsdp", config={**vars(args), **cfg.to_dict()})
     if args.memory_only:
-        rec.metrics["memory"] = memory_stages(args, data, group)
+        rec.metrics["memory"] = memory_stages(cfg, data, group)
         for r in rec.metrics["memory"]:
             worst, f = max(r["memory"], key=lambda m: m["total"]), r["formula"]
             nd.print0(f"stage {r['stage']} {r['label']:>12}: per rank params {worst['params']} B (formula "
                       f"{f['params']:.0f})  grads {worst['grads']} B ({f['grads']:.0f})  optimizer state "
                       f"{worst['optimizer_state']} B ({f['optimizer_state']:.0f})")
     if args.timeline:
-        t = rec.metrics["timeline"] = record_timeline(args, data, group)
+        t = rec.metrics["timeline"] = record_timeline(cfg, data, group)
         nd.print0(f"FSDP step with prefetch {1e3 * t['prefetch']['step_s']:.1f} ms ({len(t['prefetch']['events'])} "
                   f"events), without {1e3 * t['no_prefetch']['step_s']:.1f} ms")
     if args.checkpointing_compare:
-        c = rec.metrics["checkpointing"] = checkpointing_compare(args, data, group)
+        c = rec.metrics["checkpointing"] = checkpointing_compare(cfg, data, group)
         nd.print0(f"activation checkpointing: saved activations {c['off']['activations_max'] / MIB:.2f} -> "
                   f"{c['on']['activations_max'] / MIB:.2f} MiB, peak per rank {c['off']['peak'] / MIB:.2f} -> "
                   f"{c['on']['peak'] / MIB:.2f} MiB, step {1e3 * c['off']['median_step_s']:.1f} -> "
                   f"{1e3 * c['on']['median_step_s']:.1f} ms")
     if timed:
-        rec.metrics.update(compare(args, data, group, rec))
+        rec.metrics.update(compare(args, cfg, data, group, rec))
     nd.print0(f"wrote {rec.save()}")
     nd.shutdown()
 

@@ -53,9 +53,7 @@ def parse_args():
     p.add_argument("--bench", action="store_true", help="measure save/load time and size instead of training")
     p.add_argument("--repeats", type=int, default=3, help="--bench: saves of each kind, interleaved")
     experiment.add_arguments(p, steps=12)
-    args = p.parse_args()
-    args.shared_memory = "off"
-    return p, args
+    return p, p.parse_args()
 
 
 def check(args, world_size):
@@ -78,16 +76,16 @@ def positions(stream, start: int, stop: int) -> list[int]:
     return list(range(start + stream.rank, stop, stream.world_size))
 
 
-def train(args, group, data) -> None:
+def train(args, cfg, group, data) -> None:
     ckpt = CheckpointManager(args.checkpoint_dir, keep=args.keep, format=args.checkpoint_format,
                              async_save=args.async_checkpoint, group=group, record_fingerprint=True)
     path = ckpt.find(args.resume)
     run_id = None
     if path is not None and os.environ.get("NANODIST_RUN_ID_SOURCE") != "user":
         run_id = read_meta(path)["run_id"]  # a resumed run continues its results file and its wandb run
-    rec = Recorder("lab06_checkpoint", config=vars(args), run_id=run_id)
+    rec = Recorder("lab06_checkpoint", config={**vars(args), **cfg.to_dict()}, run_id=run_id)
     wrapper, optimizer = IMPLS[args.impl]
-    run = experiment.build(args, data, group, wrapper=wrapper, optimizer=optimizer, name=args.impl, recorder=rec,
+    run = experiment.build(cfg, data, group, wrapper=wrapper, optimizer=optimizer, name=args.impl, recorder=rec,
                            checkpoints=ckpt, checkpoint_every=args.checkpoint_every)
     trainer = run.trainer
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -118,10 +116,10 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def bench(args, group, data) -> None:
+def bench(args, cfg, group, data) -> None:
     """Save the same state as full, sharded, and both asynchronously, taking turns; then load each."""
-    rec = Recorder("lab06_checkpoint", config=vars(args))
-    run = experiment.build(args, data, group, wrapper="fsdp", optimizer="adamw", name="bench")
+    rec = Recorder("lab06_checkpoint", config={**vars(args), **cfg.to_dict()})
+    run = experiment.build(cfg, data, group, wrapper="fsdp", optimizer="adamw", name="bench")
     run.trainer.fit(max_steps=1)  # the optimizer has its state
     root = Path(group.broadcast_object(tempfile.mkdtemp(prefix="nanodist-ckpt-bench-") if group.is_main else None))
     kinds = {"full": ("full", False), "sharded": ("sharded", False), "full-async": ("full", True),
@@ -154,7 +152,7 @@ def bench(args, group, data) -> None:
                "ratio_async_blocked_vs_sync_sharded": out["sharded-async"]["blocked_s"] / out["sharded"]["total_s"],
                "ratio_async_blocked_vs_sync_full": out["full-async"]["blocked_s"] / out["full"]["total_s"]}
     rec.metrics.update(metrics)
-    nd.print0(f"== {args.model} model ({metrics['params'] / 1e6:.1f} M parameters, a checkpoint of {state_mib:.0f} MiB),"
+    nd.print0(f"== {cfg.model} model ({metrics['params'] / 1e6:.1f} M parameters, a checkpoint of {state_mib:.0f} MiB),"
               f" {group.size} rank(s), median of {args.repeats} saves each, fsync included")
     for k, o in out.items():
         size = f"{o['bytes'] / 2**20:6.1f} MiB on disk" if group.is_main else ""
@@ -171,8 +169,9 @@ def bench(args, group, data) -> None:
 def main():
     parser, args = parse_args()
     info = experiment.start(parser, args, min_steps=1, extra_check=check)
-    group, data = info.group, experiment.load_data(args)
-    (bench if args.bench else train)(args, group, data)
+    cfg = experiment.RunConfig.from_args(args, info.device, shared_memory="off")  # through the process group
+    group, data = info.group, experiment.load_data(cfg)
+    (bench if args.bench else train)(args, cfg, group, data)
     nd.shutdown()
 
 

@@ -318,7 +318,7 @@ def _watch() -> None:
                     continue
             for t in list(_trackers.values()):
                 _look(store, t)
-        except Exception as e:  # the store is gone (the run ended): nothing left to watch
+        except Exception:  # the store is gone (the run ended): nothing left to watch
             if os.environ.get("NANODIST_DEBUG_WATCHDOG"):
                 traceback.print_exc()
             return

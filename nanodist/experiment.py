@@ -1,22 +1,34 @@
-"""From a lab's flags to a training run: checked flags, then model, data, wrapper, optimizer, Trainer, recorder.
+"""From a lab's flags to a training run: checked flags, a typed configuration, then model, data, wrapper,
+optimizer, Trainer, recorder.
 
     parser = argparse.ArgumentParser(); experiment.add_arguments(parser)
     args = parser.parse_args()
     info = experiment.start(parser, args)          # every flag checked, results folder writable, then init()
-    data = experiment.load_data(args)              # corpus -> tokenizer -> tokens, once per lab
-    run = experiment.build(args, data, info.group, wrapper="nanodist", optimizer="adamw", name="nanodist")
+    cfg = experiment.RunConfig.from_args(args)     # the run's settings, typed and frozen (args stays as parsed)
+    data = experiment.load_data(cfg)               # corpus -> tokenizer -> tokens, once per lab
+    run = experiment.build(cfg, data, info.group, wrapper="nanodist", optimizer="adamw", name="nanodist")
     run.trainer.fit()
+    other = experiment.build(cfg.replace(bucket_mb=1.0), data, info.group, wrapper="torch")  # a variant
 
 Every training lab trains the same GPT from the same seeded weights on the same data; what differs is
-who averages the gradients (`wrapper`) and with which optimizer. Building that in one place keeps the
+who averages the gradients (the *wrapper*) and with which *optimizer*. Building that in one place keeps the
 labs short, and makes the comparison fair by construction.
+
+Both come from registries (WRAPPERS, OPTIMIZERS) that a lab or a later chapter extends without touching this
+file:
+
+    @experiment.register_wrapper("my-ddp", doc="my DDP")
+    def _(raw, ctx):                               # ctx: BuildContext (config, group, shared memory, ...)
+        return MyDDP(raw, group=ctx.group)
 
 Wrappers: "single" (a world of one: this rank alone, no communication), "nanodist" (nanodist.DDP,
 through shared memory on CPU ranks of one machine unless --shared-memory off), "nanodist-pg"
 (nanodist.DDP through the process group, like torch), "torch" (torch's DDP), "naive" (NaiveDDP),
 "none" (the bare model: the optimizer averages, ZeRO), "fsdp" (nanodist.FSDP, every Block a unit) and
-"fsdp2" (torch's fully_shard on every Block and the root, on a CPU or GPU mesh of the group). Optimizers: "adamw" (torch.optim.AdamW),
-"dist-adamw" (DistAdamW), "dist-muon" (make_muon_optimizer: Muon for matrices, AdamW for the rest).
+"fsdp2" (torch's fully_shard on every Block and the root, on a CPU or GPU mesh of the group). Optimizers: "adamw"
+(torch.optim.AdamW), "muon" (MuonAdamW), "dist-adamw" (DistAdamW), "dist-muon" (make_muon_optimizer: Muon for
+matrices, AdamW for the rest), "zero1-adamw" (ZeroOptimizer over AdamW), "zero-redundancy-adamw" (torch's
+ZeroRedundancyOptimizer over AdamW, behind a DDP wrapper).
 """
 from __future__ import annotations
 
@@ -24,7 +36,9 @@ import argparse
 import math
 import os
 import statistics
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -39,12 +53,62 @@ from .model import GPT, PRESETS, GPTConfig
 from .optim import DistAdamW, MuonAdamW, ZeroOptimizer, make_muon_optimizer
 from .train import TrainConfig, Trainer, autocast, grad_accum_steps
 
-WRAPPERS = ("single", "nanodist", "nanodist-pg", "torch", "naive", "none", "fsdp", "fsdp2")
-# muon: torch's Muon + AdamW (MuonAdamW); zero1-adamw: nanodist's ZeroOptimizer over torch's AdamW (bare model);
-# zero-redundancy-adamw: torch's ZeroRedundancyOptimizer over AdamW, behind a DDP wrapper
-OPTIMIZERS = ("adamw", "muon", "dist-adamw", "dist-muon", "zero1-adamw", "zero-redundancy-adamw")
-SELF_AVERAGING = ("dist-adamw", "dist-muon", "zero1-adamw")  # optimizers that average the gradients themselves
 WARMUP_STEPS = 3  # excluded from step times: the first steps pay for allocation and thread start-up
+
+
+# ----------------------------------------------------------------------------- the run's configuration
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything build() reads, typed and frozen: one value per run, never a flag namespace edited between runs.
+    A variant is `cfg.replace(field=value)`. Field names are the flags' (--micro-batch -> micro_batch), so
+    RunConfig.from_args(args) takes a lab's parsed flags, and the lab's own flags stay on args."""
+
+    steps: int = 50
+    micro_batch: int = 8
+    seq_len: int = 64
+    total_batch: int | None = None  # tokens per optimizer step; None: one micro-batch per rank (see total_batch())
+    scaling: str = "weak"  # "strong": the default total batch is 4 micro-batches, whatever the world size
+    model: str = "small"  # a nanodist.model preset ("auto" is resolved by from_args)
+    lr: float = 3e-3
+    muon_lr: float = 0.02
+    dtype: str = "fp32"  # autocast dtype of forward/backward
+    param_dtype: str = "fp32"  # FSDP: the dtype units are gathered in
+    compile: bool = False
+    bucket_mb: float = 25.0
+    shared_memory: str = "auto"  # "auto", "on", "off" (use_shared_memory)
+    collectives: str = "auto"  # ShardedOptimizer's transport
+    zero_stage: int = 2
+    prefetch: bool = True  # FSDP: gather the next unit while this one computes
+    checkpointing: bool = False  # activation checkpointing of every Block
+    threads: int = 1
+    data: str | None = None
+    seed: int = 0
+    wandb: bool = False
+
+    @classmethod
+    def from_args(cls, args, device=None, **changes) -> "RunConfig":
+        """The fields a lab's flags set (any it lacks keep their defaults), then `changes`. --model auto becomes
+        the preset for `device` (default: this process's device, after nanodist.init())."""
+        given = vars(args) if not isinstance(args, dict) else dict(args)
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in given.items() if k in names}
+        if "no_prefetch" in given:
+            values["prefetch"] = not given["no_prefetch"]
+        values.update(changes)
+        if values.get("model", "auto") == "auto":
+            values["model"] = auto_model(device if device is not None else Group.world().device)
+        return cls(**values)
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _config(cfg) -> RunConfig:
+    return cfg if isinstance(cfg, RunConfig) else RunConfig.from_args(cfg)
 
 
 # ----------------------------------------------------------------------------- flags, checked in one place
@@ -134,9 +198,8 @@ def start(parser: argparse.ArgumentParser, args, *, min_steps: int = WARMUP_STEP
         parser.error(str(e))
     info = runtime.init(seed=args.seed)
     torch.set_num_threads(args.threads)
-    if args.model == "auto":
-        args.model = auto_model(info.device)
-        runtime.print0(f"--model auto: the {args.model!r} preset on {info.device.type}")
+    if args.model == "auto":  # RunConfig.from_args resolves it the same way; args stays as parsed
+        runtime.print0(f"--model auto: the {auto_model(info.device)!r} preset on {info.device.type}")
     return info
 
 
@@ -145,20 +208,20 @@ def auto_model(device) -> str:
     return "gpt2" if torch.device(device).type == "cuda" else "small"
 
 
-def total_batch(args, world_size: int) -> int | None:
+def total_batch(cfg, world_size: int) -> int | None:
     """Tokens per optimizer step: --total-batch, or (strong scaling) 4 micro-batches so 1, 2 and 4 ranks divide
     it, or (weak scaling and the default) one micro-batch per rank."""
-    if args.total_batch is not None:
-        return args.total_batch
-    if getattr(args, "scaling", "weak") == "strong":
-        return args.micro_batch * args.seq_len * 4
+    if cfg.total_batch is not None:
+        return cfg.total_batch
+    if getattr(cfg, "scaling", "weak") == "strong":
+        return cfg.micro_batch * cfg.seq_len * 4
     return None
 
 
-def use_shared_memory(args, group: Group) -> bool:
+def use_shared_memory(cfg, group: Group) -> bool:
     """--shared-memory auto: on when every rank is a CPU process on this machine (gloo would go through TCP)."""
-    if args.shared_memory != "auto":
-        return args.shared_memory == "on"
+    if cfg.shared_memory != "auto":
+        return cfg.shared_memory == "on"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", group.size))
     return group.device.type == "cpu" and group.size > 1 and local == group.size
 
@@ -173,9 +236,9 @@ class Data:
     val: torch.Tensor
 
 
-def load_data(args) -> Data:
+def load_data(cfg) -> Data:
     """The corpus (--data or the built-in one), a character tokenizer, and the 90/10 train/validation split."""
-    text = load_corpus(args.data)
+    text = load_corpus(cfg.data)
     tok = CharTokenizer(text)
     tokens = torch.tensor(tok.encode(text), dtype=torch.int64)
     train, val = train_val_split(tokens)
@@ -194,14 +257,14 @@ class Run:
     train: TokenStream
 
 
-def build_model(args, vocab_size: int, device) -> GPT:
+def build_model(cfg, vocab_size: int, device) -> GPT:
     """The lab's GPT from the seeded initial weights: identical for every run and on every rank."""
-    torch.manual_seed(args.seed)
+    torch.manual_seed(cfg.seed)
     # A preset that names its vocabulary (gpt2: 50304, GPT-2's padded to a multiple of 64) keeps it: the
     # character tokenizer uses the first rows, and the model has the size and the FLOPs of the real one.
-    name = auto_model(device) if args.model == "auto" else args.model
+    name = auto_model(device) if cfg.model == "auto" else cfg.model
     vocab_size = max(vocab_size, PRESETS[name].get("vocab_size", 0))
-    cfg = GPTConfig.preset(name, vocab_size=vocab_size, block_size=args.seq_len)
+    cfg = GPTConfig.preset(name, vocab_size=vocab_size, block_size=cfg.seq_len)
     if torch.device(device).type == "meta":  # shapes only, no memory (.to("meta") would untie the embedding)
         with torch.device("meta"):
             return GPT(cfg)
@@ -221,79 +284,229 @@ def compile_model(raw: nn.Module, wrapper: str) -> None:
         raw.compile()
 
 
-def build(args, data: Data, group: Group, *, wrapper: str, optimizer: str = "adamw", name: str | None = None,
+# ----------------------------------------------------------------------------- the registries of set-ups
+
+@dataclass
+class BuildContext:
+    """What a wrapper's or an optimizer's builder gets: the configuration, this run's group, and build()'s
+    keyword arguments."""
+
+    cfg: RunConfig
+    group: Group
+    shared_memory: bool  # nanodist's reduction through shared memory (use_shared_memory)
+    weight_decay: float
+    zero_stage: int
+    record_timeline: bool = False
+    observer: object = None
+    wrapper: "WrapperSpec | None" = None  # the wrapper this optimizer goes with
+
+
+@dataclass(frozen=True)
+class WrapperSpec:
+    """A way to wrap the bare model. wrap(raw, ctx) returns the module that trains (the bare model itself for
+    "none"). averages: the wrapper averages the gradients (False: the optimizer must, ZeRO); flat_shards: the
+    parameters become shards (no optimizer that needs whole parameters); local: it trains alone, in a world of
+    one; param_groups_from_wrapper: the optimizer's param groups come from the wrapped module (nanodist.FSDP's
+    local views), not the bare model."""
+
+    name: str
+    wrap: Callable
+    doc: str = ""
+    averages: bool = True
+    flat_shards: bool = False
+    local: bool = False
+    param_groups_from_wrapper: bool = False
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A way to build the optimizer: make(raw, model, ctx). self_averaging: it averages the gradients itself
+    (goes with the "none" wrapper); whole_parameters: it needs every parameter whole (Muon orthogonalises whole
+    matrices; ZeroRedundancyOptimizer broadcasts whole parameters), so not with a wrapper that shards them."""
+
+    name: str
+    make: Callable
+    doc: str = ""
+    self_averaging: bool = False
+    whole_parameters: bool = False
+
+
+WRAPPERS: dict[str, WrapperSpec] = {}
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+
+def register_wrapper(name: str, *, doc: str = "", replace: bool = False, **flags):
+    """Decorator: register wrap(raw, ctx) -> module under `name` (flags: WrapperSpec's). A name is taken once
+    unless replace=True."""
+    def add(fn):
+        if name in WRAPPERS and not replace:
+            raise ValueError(f"a wrapper named {name!r} is registered already: pick another name, or replace=True")
+        WRAPPERS[name] = WrapperSpec(name, fn, doc, **flags)
+        return fn
+    return add
+
+
+def register_optimizer(name: str, *, doc: str = "", replace: bool = False, **flags):
+    """Decorator: register make(raw, model, ctx) -> optimizer under `name` (flags: OptimizerSpec's)."""
+    def add(fn):
+        if name in OPTIMIZERS and not replace:
+            raise ValueError(f"an optimizer named {name!r} is registered already: pick another name, or replace=True")
+        OPTIMIZERS[name] = OptimizerSpec(name, fn, doc, **flags)
+        return fn
+    return add
+
+
+def self_averaging() -> tuple[str, ...]:
+    """The registered optimizers that average the gradients themselves."""
+    return tuple(n for n, o in OPTIMIZERS.items() if o.self_averaging)
+
+
+def check_setup(wrapper: str, optimizer: str) -> None:
+    """A ValueError naming what does not go together (or what is not registered)."""
+    if wrapper not in WRAPPERS or optimizer not in OPTIMIZERS:
+        raise ValueError(f"wrapper must be one of {tuple(WRAPPERS)} and optimizer one of {tuple(OPTIMIZERS)}, got "
+                         f"{wrapper!r}, {optimizer!r}")
+    w, o = WRAPPERS[wrapper], OPTIMIZERS[optimizer]
+    if w.averages == o.self_averaging:
+        raise ValueError(f"wrapper={wrapper!r} with optimizer={optimizer!r}: exactly one of them must average the "
+                         f"gradients. The bare model ('none') goes with an optimizer that averages itself "
+                         f"({', '.join(self_averaging())}); every other wrapper with one that does not")
+    if o.whole_parameters and w.flat_shards:
+        raise ValueError(f"optimizer={optimizer!r} needs whole parameters, and wrapper={wrapper!r} shards each of "
+                         f"them (flat slices or DTensor rows): use 'adamw' with it (Chapter 5 explains why)")
+
+
+@register_wrapper("none", doc="the bare model: the optimizer averages (ZeRO)", averages=False)
+@register_wrapper("single", doc="this rank alone, in a world of one", local=True)
+def _bare(raw, ctx):
+    return raw
+
+
+@register_wrapper("nanodist", doc="nanodist.DDP (shared memory on CPU ranks of one machine)")
+def _nanodist_ddp(raw, ctx):
+    return DDP(raw, bucket_cap_mb=ctx.cfg.bucket_mb, group=ctx.group, record_timeline=ctx.record_timeline,
+               shared_memory=ctx.shared_memory)
+
+
+@register_wrapper("nanodist-pg", doc="nanodist.DDP through the process group, like torch")
+def _nanodist_pg(raw, ctx):
+    return DDP(raw, bucket_cap_mb=ctx.cfg.bucket_mb, group=ctx.group, record_timeline=ctx.record_timeline,
+               shared_memory=False)
+
+
+@register_wrapper("torch", doc="torch's DistributedDataParallel")
+def _torch_ddp(raw, ctx):
+    g = ctx.group
+    return torch.nn.parallel.DistributedDataParallel(raw, bucket_cap_mb=ctx.cfg.bucket_mb, process_group=g.pg,
+                                                     device_ids=[g.device.index] if g.device.type == "cuda" else None)
+
+
+@register_wrapper("naive", doc="NaiveDDP: one all-reduce per parameter after backward")
+def _naive(raw, ctx):
+    return NaiveDDP(raw, group=ctx.group)
+
+
+def _low_precision(cfg: RunConfig):
+    return torch.bfloat16 if cfg.param_dtype == "bf16" else None
+
+
+@register_wrapper("fsdp", doc="nanodist.FSDP, every Block a unit", flat_shards=True, param_groups_from_wrapper=True)
+def _fsdp(raw, ctx):
+    return FSDP(raw, units=list(raw.blocks), group=ctx.group, param_dtype=_low_precision(ctx.cfg),
+                observer=ctx.observer, prefetch=ctx.cfg.prefetch)
+
+
+@register_wrapper("fsdp2", doc="torch's fully_shard on every Block and the root", flat_shards=True)
+def _fsdp2(raw, ctx):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    lp = _low_precision(ctx.cfg)
+    mp = MixedPrecisionPolicy(param_dtype=lp, reduce_dtype=torch.float32 if lp else None)
+    for block in raw.blocks:
+        fully_shard(block, mesh=ctx.group.device_mesh, mp_policy=mp)  # the mesh of this group, on its device
+    return fully_shard(raw, mesh=ctx.group.device_mesh, mp_policy=mp)
+
+
+BETAS = (0.9, 0.95)
+
+
+@register_optimizer("adamw", doc="torch.optim.AdamW (fused on a GPU)")
+def _adamw(raw, model, ctx):
+    groups = (model if ctx.wrapper.param_groups_from_wrapper else raw).configure_param_groups(ctx.weight_decay)
+    fused = ctx.group.device.type == "cuda" or None  # torch's fused kernel on a GPU, as the GPU baselines use
+    return torch.optim.AdamW(groups, lr=ctx.cfg.lr, betas=BETAS, fused=fused)
+
+
+@register_optimizer("muon", doc="MuonAdamW: torch's Muon on the hidden matrices, AdamW on the rest",
+                    whole_parameters=True)
+def _muon(raw, model, ctx):
+    return MuonAdamW(raw, lr=ctx.cfg.lr, muon_lr=ctx.cfg.muon_lr, weight_decay=ctx.weight_decay, betas=BETAS)
+
+
+def _zero_kwargs(ctx) -> dict:
+    return dict(zero_stage=ctx.zero_stage, bucket_cap_mb=ctx.cfg.bucket_mb,
+                collectives="shm" if ctx.shared_memory else ctx.cfg.collectives, group=ctx.group)
+
+
+@register_optimizer("dist-adamw", doc="DistAdamW: ZeRO-1/2, every tensor sliced", self_averaging=True)
+def _dist_adamw(raw, model, ctx):
+    return DistAdamW(raw.configure_param_groups(ctx.weight_decay), lr=ctx.cfg.lr, betas=BETAS, **_zero_kwargs(ctx))
+
+
+@register_optimizer("dist-muon", doc="make_muon_optimizer: sharded Muon for matrices, AdamW for the rest",
+                    self_averaging=True, whole_parameters=True)
+def _dist_muon(raw, model, ctx):
+    return make_muon_optimizer(raw, lr=ctx.cfg.lr, muon_lr=ctx.cfg.muon_lr, weight_decay=ctx.weight_decay,
+                               betas=BETAS, **_zero_kwargs(ctx))
+
+
+@register_optimizer("zero1-adamw", doc="ZeroOptimizer over torch.optim.AdamW: ZeRO-1, whole parameters dealt",
+                    self_averaging=True)
+def _zero1_adamw(raw, model, ctx):
+    return ZeroOptimizer(raw.configure_param_groups(ctx.weight_decay), torch.optim.AdamW, group=ctx.group,
+                         bucket_cap_mb=ctx.cfg.bucket_mb, lr=ctx.cfg.lr, betas=BETAS)
+
+
+@register_optimizer("zero-redundancy-adamw", doc="torch's ZeroRedundancyOptimizer over AdamW (behind a DDP wrapper)",
+                    whole_parameters=True)
+def _zero_redundancy(raw, model, ctx):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    groups = [{k: v for k, v in g.items() if k != "param_names"} for g in raw.configure_param_groups(ctx.weight_decay)]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=ctx.group.pg,
+                                   lr=ctx.cfg.lr, betas=BETAS)
+
+
+# ----------------------------------------------------------------------------- building a run
+
+def build(cfg, data: Data, group: Group, *, wrapper: str, optimizer: str = "adamw", name: str | None = None,
           zero_stage: int | None = None, record_timeline: bool = False, recorder=None,
           weight_decay: float = 0.1, observer=None, checkpoints=None, checkpoint_every: int = 0) -> Run:
-    """A Run: model (wrapped as `wrapper`), optimizer, data streams of this rank, and its Trainer."""
-    if wrapper not in WRAPPERS or optimizer not in OPTIMIZERS:
-        raise ValueError(f"wrapper must be one of {WRAPPERS} and optimizer one of {OPTIMIZERS}, got {wrapper!r}, "
-                         f"{optimizer!r}")
-    if (wrapper == "none") != (optimizer in SELF_AVERAGING) or (optimizer == "muon" and wrapper.startswith("fsdp")):
-        raise ValueError(f"wrapper='none' (the bare model) goes with a sharded optimizer ({', '.join(SELF_AVERAGING)}), "
-                         f"which averages the gradients itself, and every other wrapper with 'adamw' (or, but for "
-                         f"FSDP, whose flat shards are no matrices, 'muon'); got "
-                         f"wrapper={wrapper!r} with optimizer={optimizer!r}")
-    group = Group.local(group.device) if wrapper == "single" else group
+    """A Run: model (wrapped as `wrapper`), optimizer, data streams of this rank, and its Trainer. cfg: a
+    RunConfig (a lab's parsed flags are read through RunConfig.from_args)."""
+    cfg = _config(cfg)
+    check_setup(wrapper, optimizer)
+    spec = WRAPPERS[wrapper]
+    group = Group.local(group.device) if spec.local else group
     name = name or wrapper
-    raw = build_model(args, data.vocab_size, group.device)
-    shm = use_shared_memory(args, group)
-    model: nn.Module = raw
-    if wrapper in ("nanodist", "nanodist-pg"):
-        model = DDP(raw, bucket_cap_mb=args.bucket_mb, group=group, record_timeline=record_timeline,
-                    shared_memory=wrapper == "nanodist" and shm)
-    elif wrapper == "torch":
-        model = torch.nn.parallel.DistributedDataParallel(
-            raw, bucket_cap_mb=args.bucket_mb, process_group=group.pg,
-            device_ids=[group.device.index] if group.device.type == "cuda" else None)
-    elif wrapper == "naive":
-        model = NaiveDDP(raw, group=group)
-    elif wrapper == "fsdp":
-        lp = torch.bfloat16 if getattr(args, "param_dtype", "fp32") == "bf16" else None
-        model = FSDP(raw, units=list(raw.blocks), group=group, param_dtype=lp, observer=observer,
-                     prefetch=not getattr(args, "no_prefetch", False))
-    elif wrapper == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        lp = torch.bfloat16 if getattr(args, "param_dtype", "fp32") == "bf16" else None
-        mp = MixedPrecisionPolicy(param_dtype=lp, reduce_dtype=torch.float32 if lp else None)
-        for block in raw.blocks:
-            fully_shard(block, mesh=group.device_mesh, mp_policy=mp)  # the mesh of this group, on its device
-        model = fully_shard(raw, mesh=group.device_mesh, mp_policy=mp)
-    raw.activation_checkpointing = getattr(args, "checkpointing", False)
-    if getattr(args, "compile", False):
+    raw = build_model(cfg, data.vocab_size, group.device)
+    ctx = BuildContext(cfg, group, shared_memory=use_shared_memory(cfg, group) and wrapper != "nanodist-pg",
+                       weight_decay=weight_decay, zero_stage=zero_stage or cfg.zero_stage,
+                       record_timeline=record_timeline, observer=observer, wrapper=spec)
+    model = spec.wrap(raw, ctx)
+    raw.activation_checkpointing = cfg.checkpointing
+    if cfg.compile:
         compile_model(raw, wrapper)
-    zero = dict(zero_stage=zero_stage or getattr(args, "zero_stage", 2), bucket_cap_mb=args.bucket_mb,
-                collectives="shm" if shm else getattr(args, "collectives", "auto"), group=group)
-    if optimizer == "adamw":
-        groups = (model if wrapper == "fsdp" else raw).configure_param_groups(weight_decay)
-        fused = group.device.type == "cuda" or None  # torch's fused kernel on a GPU, as the GPU baselines use
-        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused)
-    elif optimizer == "muon":
-        opt = MuonAdamW(raw, lr=args.lr, muon_lr=getattr(args, "muon_lr", 0.02), weight_decay=weight_decay,
-                        betas=(0.9, 0.95))
-    elif optimizer == "dist-adamw":
-        opt = DistAdamW(raw.configure_param_groups(weight_decay), lr=args.lr, betas=(0.9, 0.95), **zero)
-    elif optimizer == "zero1-adamw":
-        opt = ZeroOptimizer(raw.configure_param_groups(weight_decay), torch.optim.AdamW, group=group,
-                            bucket_cap_mb=args.bucket_mb, lr=args.lr, betas=(0.9, 0.95))
-    elif optimizer == "zero-redundancy-adamw":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        groups = [{k: v for k, v in g.items() if k != "param_names"} for g in raw.configure_param_groups(weight_decay)]
-        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=group.pg, lr=args.lr,
-                                      betas=(0.9, 0.95))
-    else:
-        opt = make_muon_optimizer(raw, lr=args.lr, muon_lr=getattr(args, "muon_lr", 0.02),
-                                  weight_decay=weight_decay, betas=(0.9, 0.95), **zero)
+    opt = OPTIMIZERS[optimizer].make(raw, model, ctx)
 
     def stream(tokens, seed):
-        return TokenStream(tokens, batch_size=args.micro_batch, block_size=args.seq_len, rank=group.rank,
+        return TokenStream(tokens, batch_size=cfg.micro_batch, block_size=cfg.seq_len, rank=group.rank,
                            world_size=group.size, seed=seed, device=group.device)
 
-    train = stream(data.train, args.seed)
-    cfg = TrainConfig(steps=args.steps, total_batch_tokens=total_batch(args, group.size),
-                      micro_batch=args.micro_batch, seq_len=args.seq_len, lr=args.lr, warmup_steps=5,
-                      dtype=args.dtype, eval_batches=2, log_every=0, progress=False, wandb=args.wandb,
-                      run_name=name, checkpoint_every=checkpoint_every)
-    trainer = Trainer(model, opt, train, cfg, val_data=stream(data.val, args.seed + 1), recorder=recorder,
+    train = stream(data.train, cfg.seed)
+    tcfg = TrainConfig(steps=cfg.steps, total_batch_tokens=total_batch(cfg, group.size),
+                       micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, lr=cfg.lr, warmup_steps=5,
+                       dtype=cfg.dtype, eval_batches=2, log_every=0, progress=False, wandb=cfg.wandb,
+                       run_name=name, checkpoint_every=checkpoint_every)
+    trainer = Trainer(model, opt, train, tcfg, val_data=stream(data.val, cfg.seed + 1), recorder=recorder,
                       group=group, checkpoints=checkpoints)
     return Run(name, raw, model, opt, trainer, train)
 

@@ -39,42 +39,23 @@ at another one; a Muon momentum exists only on the matrix's owner.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import diverge
 from ..group import Group
 from ..sync import DONE, Bucket, GradSync, Slot, Work, all_gather, all_reduce_sum, pack_buckets, reduce_scatter_sum
 from . import adamw as _adamw
+from .agreement import agree
+from .layout import Piece, PipelineRecorder, is_dtensor, slice_bounds
+from .reference import muon_adamw_groups
 from . import muon as _muon
 
 KINDS = {"adamw": _adamw, "muon": _muon}
 COLLECTIVES = ("auto", "ring", "torch", "shm")
 RESHARD_HINT = ("to resume at another world size, save and load through nanodist.checkpoint, which keeps the state by "
                 "parameter name at its global shape (Chapter 6)")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A contiguous run of one parameter's elements that one rank updates (possibly empty)."""
-
-    param: int  # index of the parameter in the optimizer (the numbering of state_dict()["state"])
-    group: int  # index of its param group
-    rank: int  # the rank that updates it
-    start: int  # first element, counted in param.view(-1)
-    numel: int
-    offset: int  # where it sits in row `rank` of its bucket's buffer
-
-
-def slice_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Elements [start, stop) of slice `rank` when `numel` elements are cut into world_size slices as torch.chunk
-    does (ceil(numel / N) each; the last slices shorter, or empty) -- also DTensor Shard(0)'s rule."""
-    size = math.ceil(numel / world_size)
-    start = min(rank * size, numel)
-    return start, min(start + size, numel)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -422,56 +403,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._reduced:
             engine.sync()
 
-    def _small_device(self) -> torch.device:
-        return self.group.comm_device
-
     def _agree(self, clip_norm: float | None) -> tuple[list[bool], torch.Tensor | None, torch.Tensor | None]:
-        """Which parameters had a gradient on any rank, and (when clipping) the global norm and the clip coefficient.
-
-        One small all-reduce carries both, and nothing waits for the device: the norm and the coefficient stay
-        device tensors (the coefficient is applied by multiplying, as torch.nn.utils.clip_grad_norm_ does), and the
-        flags are read back only on a rank that lacked a gradient itself -- a rank that had every gradient knows
-        the answer already (every parameter had one somewhere). clip_norm=inf: the norm only, no coefficient."""
-        alone = self.world_size == 1
-        local = [p.grad is not None for p in self._params] if alone else list(self._had_grad)
-        sq = None
-        if clip_norm is not None:
-            if alone:
-                mine = [p.grad for p in self._params if p.grad is not None]
-            else:
-                mine = [b.extra["shard"] if self.zero_stage == 2 else b.extra["send"][self.rank] for b in self._buckets]
-            device = mine[0].device if mine else self._small_device()
-            norms = [torch.linalg.vector_norm(t, dtype=torch.float64).to(device) for t in mine]
-            sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=device)
-        has_grad, total = local, sq
-        if not alone:
-            device = self._small_device()
-            n = len(local)
-            # flags, the squared norm, and the divergence detector's digest of this rank's collectives (d, d^2)
-            host = torch.tensor([1.0 if h else 0.0 for h in local] + [0.0, *diverge.agreement_values(self.group)],
-                                dtype=torch.float64, pin_memory=device.type == "cuda")
-            agree = host.to(device, non_blocking=True)
-            if sq is not None:
-                agree[n] = sq.to(device)
-            shm = getattr(self, "_shm_agree", None)
-            if shm is not None:
-                shm.mine.copy_(agree)
-                dist.barrier(group=self.group.pg)  # every row written; no closing barrier: see _attach_shared_memory
-                agree = shm.rows[:self.world_size].sum(0)
-            else:
-                with diverge.waiting(diverge.issue(self.group, "ZeRO agreement (gradient flags and norm)")):
-                    dist.all_reduce(agree, group=self.group.pg)
-            self._digest_check.submit(agree[n + 1:], self.group)
-            total = agree[n]
-            if any(not h and b for h, b in zip(local, self._bucketed)):  # only here is a value read back
-                has_grad = [v > 0 for v in agree[:n].tolist()]
-        if clip_norm is None:
-            return has_grad, None, None
-        norm = total.sqrt()
-        coef = None
-        if math.isfinite(clip_norm):  # torch.nn.utils.clip_grad_norm_'s formula, without reading the norm
-            coef = torch.clamp(clip_norm / (norm + 1e-6), max=1.0)
-        return has_grad, norm, coef
+        """Which parameters had a gradient on any rank, and (when clipping) the global norm and the clip
+        coefficient: one small all-reduce (optim/agreement.py). clip_norm=inf: the norm only, no coefficient."""
+        if self.world_size == 1:
+            return agree(self.group, [p.grad is not None for p in self._params], self._bucketed,
+                         [p.grad for p in self._params if p.grad is not None], clip_norm, self._digest_check, "")
+        parts = ([b.extra["shard"] if self.zero_stage == 2 else b.extra["send"][self.rank] for b in self._buckets]
+                 if clip_norm is not None else [])
+        return agree(self.group, self._had_grad, self._bucketed, parts, clip_norm, self._digest_check,
+                     "ZeRO agreement (gradient flags and norm)", shm=getattr(self, "_shm_agree", None))
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -787,7 +728,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This rank's part of a saved state tensor: a DTensor's local slice, or a whole tensor cut to the slice."""
         if not torch.is_tensor(t):
             return t
-        if _is_dtensor(t):
+        if is_dtensor(t):
             mesh_size = t.device_mesh.size()
             if mesh_size != self.world_size:
                 raise ValueError(f"{type(self).__name__}.load_state_dict: {key} of a parameter is sharded over "
@@ -798,42 +739,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             a, b = slice_bounds(p.numel(), self.world_size, self.rank)  # a whole tensor (a world of one saved it)
             t = t.reshape(-1)[a:b]
         return t.detach().clone().to(p.device if key != "step" else t.device)
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-class PipelineRecorder:
-    """What one ZeRO step did to every parameter on this rank: an observer the optimizer calls at three points
-    only while one is attached (record_next_step), so an unrecorded step pays one `is None` test per piece.
-
-    finished() returns one dict per parameter: name, shape, `grad` (this rank's local gradient before the
-    reduction), `piece` ((start, numel) of the slice this rank updates, or None), `grad_shard` (that slice of the
-    averaged gradient), `updated_shard` (the slice after the update) and `param` (the whole parameter after the
-    all-gather).
-    """
-
-    def __init__(self, names: list[str], params: list[torch.Tensor], rank: int, world_size: int):
-        self.entries = [{"index": i, "name": names[i], "shape": tuple(p.shape), "rank": rank, "world_size": world_size,
-                         "grad": None if p.grad is None else p.grad.detach().clone(), "piece": None,
-                         "grad_shard": None, "updated_shard": None, "param": None} for i, p in enumerate(params)]
-
-    def packed(self, indices: list[int], grads: list[torch.Tensor | None]) -> None:
-        for i in indices:
-            self.entries[i]["grad"] = None if grads[i] is None else grads[i].detach().clone()
-
-    def reduced(self, piece: Piece, grad: torch.Tensor) -> None:
-        self.entries[piece.param].update(piece=(piece.start, piece.numel), grad_shard=grad.reshape(-1).clone())
-
-    def finished(self, params: list[torch.Tensor]) -> list[dict]:
-        for e in self.entries:
-            p = params[e["index"]]
-            if e["piece"] is not None:
-                a, n = e["piece"]
-                e["updated_shard"] = p.detach().view(-1)[a:a + n].clone()
-            e["param"] = p.detach().clone()
-        return self.entries
 
 
 class DistAdamW(ShardedOptimizer):
@@ -872,65 +777,6 @@ class DistMuon(ShardedOptimizer):
                          group=group, zero_stage=zero_stage, bucket_cap_mb=bucket_cap_mb, collectives=collectives)
 
 
-def _muon_adamw_groups(model: nn.Module, weight_decay: float, exclude: tuple[str, ...]):
-    """(muon, adamw groups): the hidden matrices for Muon; the rest as AdamW groups with weight decay on the
-    matrices (embeddings, the output layer) and none on 1-D parameters."""
-    muon, adamw = _muon.split_params_for_muon(model, exclude)
-    decay = [(n, p) for n, p in adamw if p.ndim >= 2]
-    no_decay = [(n, p) for n, p in adamw if p.ndim < 2]
-    groups = [{"params": [p for _, p in ps], "param_names": [n for n, _ in ps], "weight_decay": wd}
-              for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
-    return muon, groups
-
-
-class MuonAdamW(torch.optim.Optimizer):
-    """torch.optim.Muon on the hidden matrices and torch.optim.AdamW on the rest, stepped as one optimizer: the
-    unsharded reference DistMuon is measured against (lab 4). The same split and hyperparameters as
-    make_muon_optimizer; AdamW is torch's fused kernel on a GPU. The two share their param-group dicts and one
-    state mapping with this object, so an LR scheduler, zero_grad() and state_dict() see everything."""
-
-    def __init__(self, model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 0.02, weight_decay: float = 0.1,
-                 muon_weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.95,
-                 exclude: tuple[str, ...] = ("lm_head",)):
-        if not hasattr(torch.optim, "Muon"):
-            raise RuntimeError(f"MuonAdamW is torch.optim.Muon beside AdamW, and torch.optim.Muon exists from torch 2.9 "
-                               f"on; this is torch {torch.__version__}: upgrade torch (pip install 'torch>=2.9')")
-        muon, groups = _muon_adamw_groups(model, weight_decay, exclude)
-        fused = any(p.is_cuda for g in groups for p in g["params"])
-        self.adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
-        self.muon = torch.optim.Muon([{"params": [p for _, p in muon], "param_names": [n for n, _ in muon]}],
-                                     lr=muon_lr, weight_decay=muon_weight_decay, momentum=momentum) if muon else None
-        inner = self.adamw.param_groups + (self.muon.param_groups if self.muon else [])
-        super().__init__(inner, {})  # torch keeps the very dicts it is given: one set of groups for all three
-        self._share()
-        for part in (self.adamw, self.muon):
-            if part is not None:
-                part.nanodist_inner = True  # stepped by this one: nanodist.DDP counts this optimizer's steps only
-
-    def _share(self) -> None:
-        """Point the two halves at this optimizer's param-group dicts and state (again after a load, which
-        replaces both)."""
-        n = len(self.adamw.param_groups)
-        self.adamw.param_groups, self.adamw.state = self.param_groups[:n], self.state
-        if self.muon is not None:
-            self.muon.param_groups, self.muon.state = self.param_groups[n:], self.state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._share()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.adamw.step()
-        if self.muon is not None:
-            self.muon.step()
-        return loss
-
-
 def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 0.02, weight_decay: float = 0.1,
                         muon_weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
                         momentum: float = 0.95, exclude: tuple[str, ...] = ("lm_head",), group=None,
@@ -941,7 +787,7 @@ def make_muon_optimizer(model: nn.Module, *, lr: float = 3e-3, muon_lr: float = 
         raise ValueError("make_muon_optimizer: Muon orthogonalises whole matrices, and nanodist.FSDP keeps only a flat "
                          "slice of each on every rank. Use AdamW (or DistAdamW's element-wise update) with FSDP, or "
                          "DistMuon with a replicated model (DDP, ZeRO-1/2): chapter 5 explains why.")
-    muon, groups = _muon_adamw_groups(model, weight_decay, exclude)
+    muon, groups = muon_adamw_groups(model, weight_decay, exclude)
     for g in groups:
         g["kind"] = "adamw"
     if muon:

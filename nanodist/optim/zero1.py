@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .. import diverge
 from ..group import Group
+from .agreement import agree
 from ..sync import GradSync, Slot, Bucket, all_gather, pack_buckets, reduce_scatter_sum
 from .muon import deal  # Muon deals whole matrices the same way
 
@@ -223,32 +224,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _agree(self, clip_norm: float | None):
         """Which parameters had a gradient on any rank, the global norm and clip coefficient (clip_norm given),
-        and the divergence detector's digest: one small all-reduce."""
-        alone = self.world_size == 1
-        local = [p.grad is not None for p in self._params] if alone else list(self._had_grad)
-        mine = ([(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None] if alone
-                else self._owned_grads())
-        device = self.group.comm_device
-        sq = torch.zeros((), dtype=torch.float64, device=device)
-        if clip_norm is not None and mine:
-            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).to(device) for _, g in mine]).square().sum()
-        has_grad, total = local, sq
-        if not alone:
-            n = len(local)
-            agree = torch.tensor([1.0 if h else 0.0 for h in local] + [0.0, *diverge.agreement_values(self.group)],
-                                 dtype=torch.float64).to(device)
-            agree[n] = sq
-            with diverge.waiting(diverge.issue(self.group, "ZeRO-1 agreement (gradient flags and norm)")):
-                dist.all_reduce(agree, group=self.group.pg)
-            self._digest_check.submit(agree[n + 1:], self.group)
-            total = agree[n]
-            if any(not h and s for h, s in zip(local, self._stepped)):
-                has_grad = [v > 0 for v in agree[:n].tolist()]
-        if clip_norm is None:
-            return has_grad, None, None
-        norm = total.sqrt()
-        coef = torch.clamp(clip_norm / (norm + 1e-6), max=1.0) if clip_norm != float("inf") else None
-        return has_grad, norm, coef
+        and the divergence detector's digest: one small all-reduce (optim/agreement.py)."""
+        if self.world_size == 1:
+            return agree(self.group, [p.grad is not None for p in self._params], self._stepped,
+                         [p.grad for p in self._params if p.grad is not None], clip_norm, self._digest_check, "")
+        parts = [g for _, g in self._owned_grads()] if clip_norm is not None else []
+        return agree(self.group, self._had_grad, self._stepped, parts, clip_norm, self._digest_check,
+                     "ZeRO-1 agreement (gradient flags and norm)")
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -309,10 +291,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         W = self.world_size
         for b in self._buckets:
             row = b.extra["row"]
-            out = torch.zeros(row, dtype=b.dtype, device=b.extra["shard"].device)
+            # One buffer per bucket, gathered in place (this rank's row is its input): no other allocation. The
+            # padding at a row's end is sent but never read.
+            rows = torch.empty(W, row, dtype=b.dtype, device=b.extra["shard"].device)
+            out = rows[self.rank]
             for i, at in b.extra["mine"]:
                 out[at:at + self._params[i].numel()].copy_(self._params[i].detach().reshape(-1))
-            rows = torch.empty(W, row, dtype=b.dtype, device=out.device)
             all_gather(rows, out, self.group, ring=self.group.backend == "gloo", what=b.extra["gather_what"]).wait()
             flat = rows.reshape(-1)
             dst, src = [], []
