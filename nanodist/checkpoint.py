@@ -115,6 +115,22 @@ def code_version() -> dict:
     return {"nanodist": __version__, "commit": commit, "torch": torch.__version__}
 
 
+# Optimizers that shard another's state, by the update rule they run (a checkpoint of one loads into the other).
+ALGORITHMS = {"DistAdamW": "AdamW", "DistMuon": "Muon"}
+
+
+def algorithm(optimizer) -> str:
+    """The update rule whose state an optimizer keeps: the class name, seen through the wrappers that shard an
+    inner optimizer (ZeroOptimizer's `inner`, torch ZeroRedundancyOptimizer's `optim`) and nanodist's sharded
+    AdamW and Muon."""
+    for attr in ("inner", "optim"):
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return algorithm(inner)
+    name = type(optimizer).__name__
+    return ALGORITHMS.get(name, name)
+
+
 def signature(state: dict) -> dict:
     """What must match for a checkpoint to load, read from the state itself (nanodist.state's layout): every
     model entry's name, global shape and dtype, and the optimizer's parameter groups (kinds and sizes)."""
@@ -228,6 +244,8 @@ def _localize(saved, template, path: str = ""):
     if isinstance(template, dict) and isinstance(saved, dict):
         return {k: _localize(v, template.get(k), f"{path}.{k}" if path else str(k)) for k, v in saved.items()}
     if template is not None and hasattr(template, "device_mesh") and torch.is_tensor(saved):
+        if tuple(saved.shape) != tuple(template.shape) and saved.numel() == template.numel():
+            return saved  # a state tensor in another layout (AdamW's moments, flat in DistAdamW): the optimizer cuts it
         return dtensor_like(saved, template)
     return saved
 
@@ -674,7 +692,8 @@ class CheckpointManager:
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "step": trainer.step, "tokens_seen": trainer.tokens_seen, "run_id": trainer.run_id,
                 "world_size": self.group.size,
-                "signature": {"optimizer": type(trainer.optimizer).__name__, "wrapper": type(trainer.model).__name__},
+                "signature": {"optimizer": type(trainer.optimizer).__name__, "algorithm": algorithm(trainer.optimizer),
+                              "wrapper": type(trainer.model).__name__},
                 "config": {k: v for k, v in vars(trainer.cfg).items() if isinstance(v, (int, float, str, bool))
                            or v is None}}
 
@@ -850,7 +869,7 @@ def _check_compatible(meta: dict, template: dict, trainer, tied: dict) -> None:
     if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict):
         raise CheckpointError("this checkpoint's meta.json has no signature of the model it holds: it was not written "
                               "by nanodist's CheckpointManager")
-    mine = {**signature(template), "optimizer": type(trainer.optimizer).__name__}
+    mine = {**signature(template), "optimizer": type(trainer.optimizer).__name__, "algorithm": algorithm(trainer.optimizer)}
     problems = []
     for name in sorted(set(saved["params"]) | set(mine["params"])):
         a, b = saved["params"].get(name), mine["params"].get(name)
@@ -865,8 +884,11 @@ def _check_compatible(meta: dict, template: dict, trainer, tied: dict) -> None:
     if problems:
         raise CheckpointError("this checkpoint is from another model: " + "; ".join(problems[:5]) +
                               (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
-    if saved["optimizer"] != mine["optimizer"] or sorted(g["kind"] for g in saved["param_groups"]) != \
-            sorted(g["kind"] for g in mine["param_groups"]):  # groups are matched by their parameters' names
+    # The update rule decides whether the state maps, not the class that shards it: AdamW's moments saved by
+    # torch's AdamW, DistAdamW or ZeroOptimizer(AdamW) load into any of them (groups matched by parameter names).
+    saved_algorithm = saved.get("algorithm") or ALGORITHMS.get(saved["optimizer"], saved["optimizer"])
+    if saved_algorithm != mine["algorithm"] or sorted(g["kind"] for g in saved["param_groups"]) != \
+            sorted(g["kind"] for g in mine["param_groups"]):
         raise CheckpointError(f"this checkpoint holds the state of {saved['optimizer']} (groups "
                               f"{[g['kind'] for g in saved['param_groups']]}), this run uses {mine['optimizer']} "
                               f"({[g['kind'] for g in mine['param_groups']]}): build the same optimizer")
@@ -973,7 +995,10 @@ def fingerprint(trainer) -> str:
         for name, t in sorted(items, key=lambda kv: kv[0]):
             if torch.is_tensor(t):
                 t = t.detach().cpu().contiguous()
-                h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                # An optimizer's state tensor by its elements in order: DistAdamW keeps AdamW's moments flat,
+                # torch's AdamW in the parameter's shape -- the same state.
+                shape = tuple(t.shape) if name.startswith("model.") else (t.numel(),)
+                h.update(f"{name}:{t.dtype}:{shape}".encode())
                 h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         digest = h.hexdigest()
     return trainer.group.broadcast_object(digest)

@@ -103,6 +103,8 @@ def torch_layout(optimizer, order: list[str], state: dict, saved_groups: list[di
                              f"{', '.join(mine[:3])}{', ...' if len(mine) > 3 else ''}) has no saved group with the "
                              f"same parameters: build the param groups as the saved run did")
         group = {**match[0], "params": list(range(at, at + len(mine)))}
+        if "kind" in g and "kind" not in group:  # saved by torch's AdamW, loaded into DistAdamW: the group's rule
+            group["kind"] = g["kind"]
         if "param_names" in group:
             group["param_names"] = list(mine)
         groups.append(group)
@@ -130,9 +132,19 @@ def load_optimizer_state_dict(model: nn.Module, optimizer, state: dict) -> None:
         if p is None or sharded:
             converted[n] = st
             continue
-        converted[n] = {k: like_param(v, p) if torch.is_tensor(v) and k != "step" and tuple(v.shape) == tuple(p.shape)
-                        else v for k, v in st.items()}
+        converted[n] = {k: like_param(_param_shaped(v, p), p) if torch.is_tensor(v) and k != "step" and
+                        v.numel() == p.numel() else v for k, v in st.items()}
     optimizer.load_state_dict(torch_layout(optimizer, [n for _, n in live], converted, state["param_groups"]))
+
+
+def _param_shaped(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A state tensor of p's size in p's shape: DistAdamW keeps AdamW's moments flat, (numel,), where torch's
+    AdamW keeps them shaped like the parameter; the elements are in the same order."""
+    if tuple(t.shape) == tuple(p.shape):
+        return t
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.reshape(p.shape)
 
 
 def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
