@@ -26,6 +26,7 @@ from nanodist.bench import take_turns
 from nanodist.data import TokenStream
 from nanodist.model import GPT
 from nanodist.results import Recorder, hardware_fingerprint, load_all
+from nanodist.sync import LocalFinite
 
 IMPLS = ("nanodist", "nanodist-pg", "torch", "naive", "single")
 BLOCK_STEPS = 5  # implementations take turns, this many steps each
@@ -176,6 +177,11 @@ def main():
         nd.print0(f"ratio divergence-detector bookkeeping / nanodist DDP step: "
                   f"{metrics['ratio_divergence_tracking_vs_step']:.4f} (at most {per_step} tracked collectives a step x "
                   f"{1e6 * cost:.1f} us)")
+        # And the check that names the rank of a non-finite gradient (one sum per bucket, kept on the device).
+        check = LocalFinite.cost_s([b.extra["grads"] for b in ddp.buckets])
+        metrics["ratio_local_finite_check_vs_step"] = check / results["nanodist"]["median_step_s"]
+        nd.print0(f"ratio local-gradient finiteness check / nanodist DDP step: "
+                  f"{metrics['ratio_local_finite_check_vs_step']:.4f} ({1e6 * check:.0f} us a step)")
     base, source = results.get("single"), "same run"
     if base is None and group.size > 1:
         base, source = baseline_from_files(cfg, group.size, main_impl), "an earlier 1-rank run"

@@ -6,6 +6,7 @@ optimizer-step time, loss and memory per rank.
     python labs/lab04_zero.py --opt dist-muon                         # a world of one works too
     python labs/lab04_zero.py --opt dist-muon ddp-muon                # DistMuon against torch's Muon
     torchrun --nproc_per_node=4 labs/lab04_zero.py --memory-only --steps 2     # memory at stages 0, 1, 2
+    torchrun --nproc_per_node=4 labs/lab04_zero.py --memory-only --worlds 1 2 4   # ... at 1, 2 and 4 ranks
     torchrun --nproc_per_node=3 labs/lab04_zero.py --memory-only --record-pipeline --steps 1
 
 Every optimizer trains the same GPT from the same initial weights on the same data (nanodist.experiment);
@@ -69,6 +70,9 @@ def parse_args():
     p.add_argument("--memory-only", action="store_true",
                    help="no timed comparison: measure per-rank memory at stage 0 (DDP + AdamW) and at stages 1 and 2 "
                         "(DistAdamW, DistMuon), each after --steps steps (--opt still picks the optimizers)")
+    p.add_argument("--worlds", type=int, nargs="+", default=None,
+                   help="--memory-only: measure at these world sizes, on the first N ranks of this launch each (one "
+                        "launch instead of one per size; default: this launch's size)")
     p.add_argument("--record-pipeline", action="store_true",
                    help="also record one DistAdamW step of a toy model (every rank's buffers) and which matrices "
                         "each rank's Muon groups update")
@@ -76,8 +80,9 @@ def parse_args():
     return p, p.parse_args()
 
 
-def positive_muon_lr(args, world_size):
-    return experiment.check_positive(args, ["muon_lr"], "a positive finite number", integer=False)
+def check(args, world_size):
+    return (experiment.check_worlds(args, world_size)
+            or experiment.check_positive(args, ["muon_lr"], "a positive finite number", integer=False))
 
 
 def record_pipeline(cfg, data, group) -> dict:
@@ -133,7 +138,7 @@ def measure_stages(opts, cfg, data, group) -> list[dict]:
 def main():
     parser, args = parse_args()
     info = experiment.start(parser, args, min_steps=1 if args.memory_only else experiment.WARMUP_STEPS + 1,
-                            extra_check=positive_muon_lr)
+                            extra_check=check)
     # --memory-only: the memory of the algorithm, not of a transport's buffers
     cfg = experiment.RunConfig.from_args(args, info.device, **({"shared_memory": "off"} if args.memory_only else {}))
     group, data = info.group, experiment.load_data(cfg)
@@ -146,11 +151,17 @@ def main():
         for r, owned in enumerate(pipeline["muon"]["owned"]):
             nd.print0(f"DistMuon rank {r}: {len(owned)} matrices, {sum(m['numel'] for m in owned)} elements")
     if args.memory_only:
-        rec.metrics["memory"] = measure_stages(opts, cfg, data, group)
-        for run in rec.metrics["memory"]:
+        worlds = args.worlds or [group.size]
+        runs = []
+        for n, sub in experiment.first_ranks(group, worlds).items():  # rank 0 is in each, and records them all
+            if sub is not None:
+                runs += measure_stages(opts, cfg, data, sub)
+            group.barrier()
+        rec.metrics["memory"] = runs
+        for run in runs:
             worst = max(run["memory"], key=lambda m: m["total"])
-            nd.print0(f"stage {run['stage']} {run['label']:>20}: per rank (max) params {worst['params']} B  grads "
-                      f"{worst['grads']} B  optimizer state {worst['optimizer_state']} B")
+            nd.print0(f"{run['world_size']} rank(s), stage {run['stage']} {run['label']:>20}: per rank (max) params "
+                      f"{worst['params']} B  grads {worst['grads']} B  optimizer state {worst['optimizer_state']} B")
         nd.print0(f"wrote {rec.save()}")
         return nd.shutdown()
 

@@ -46,6 +46,9 @@ def parse_args():
     p.add_argument("--no-prefetch", action="store_true", help="nanodist FSDP gathers each unit only when it runs")
     p.add_argument("--memory-only", action="store_true",
                    help="no timed comparison: model states per rank at stages 0-3 after --steps steps")
+    p.add_argument("--worlds", type=int, nargs="+", default=None,
+                   help="--memory-only: measure at these world sizes, on the first N ranks of this launch each (one "
+                        "launch instead of one per size; default: this launch's size)")
     p.add_argument("--timeline", action="store_true", help="record one FSDP step with prefetch and one without")
     p.add_argument("--checkpointing-compare", action="store_true",
                    help="FSDP with and without activation checkpointing: saved activations, peak, step time")
@@ -56,6 +59,7 @@ def parse_args():
 def check_budget(args, world_size):
     if args.budget is not None and not args.budget > 0:
         return f"--budget must be a positive number of MiB, got {args.budget}"
+    return experiment.check_worlds(args, world_size)
     return None
 
 
@@ -206,8 +210,13 @@ def main():
     group, data = info.group, experiment.load_data(cfg)
     rec = Recorder("lab05_fsdp", config={**vars(args), **cfg.to_dict()})
     if args.memory_only:
-        rec.metrics["memory"] = memory_stages(cfg, data, group)
-        for r in rec.metrics["memory"]:
+        runs = []
+        for n, sub in experiment.first_ranks(group, args.worlds or [group.size]).items():  # rank 0 records them all
+            if sub is not None:
+                runs += memory_stages(cfg, data, sub)
+            group.barrier()
+        rec.metrics["memory"] = runs
+        for r in runs:
             worst, f = max(r["memory"], key=lambda m: m["total"]), r["formula"]
             nd.print0(f"stage {r['stage']} {r['label']:>12}: per rank params {worst['params']} B (formula "
                       f"{f['params']:.0f})  grads {worst['grads']} B ({f['grads']:.0f})  optimizer state "

@@ -32,7 +32,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .group import Group
 from . import diverge
 from .runtime import get_logger
-from .sync import DONE, Bucket, BucketTimeline, GradSync, Slot, Work, all_reduce_sum, pack_buckets
+from .sync import (DONE, Bucket, BucketTimeline, GradSync, LocalFinite, ReportsLocalFinite, Slot, Work, all_reduce_sum,
+                   pack_buckets)
 
 _ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run a function when backward ends
 
@@ -145,7 +146,7 @@ class _SyncBase(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-class DDP(_SyncBase):
+class DDP(_SyncBase, ReportsLocalFinite):
     """Data parallel with bucketed, overlapped gradient all-reduce. Gradients are averaged over ranks.
 
     - bucket_cap_mb: bucket size; smaller buckets start communicating earlier, larger ones cost less latency.
@@ -192,6 +193,7 @@ class DDP(_SyncBase):
         self.deferred_checks = (self.group.comm_device.type == "cuda") if deferred_checks is None else deferred_checks
         self._pending_check = None  # deferred_checks: (host copy of the summed control, its event, names missing)
         self.optimizer_steps = 0  # steps of the optimizers that hold these parameters (torch's global step hook)
+        self._local_finite = LocalFinite()
         ids, me = {id(p) for p in self._params}, weakref.ref(self)
 
         def count_step(optimizer, args, kwargs):
@@ -267,6 +269,7 @@ class DDP(_SyncBase):
         pairs = [(v, g) for v, g in have if g is not None]
         if pairs:  # a gradient accumulated in place, already in its slot, is skipped by copy_
             torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
+        self._local_finite.add(reducer.mine if reducer is not None else b.extra["grads"])
         if b.index == len(self.buckets) - 1:
             # With the last bucket, three numbers travel in a tiny all-reduce of their own (a bucket keeps torch's
             # exact length, so its sums are bit for bit torch's): how many parameters got no gradient on this rank,
@@ -292,6 +295,7 @@ class DDP(_SyncBase):
 
     def _finish(self, missing: list[int]) -> None:
         self.sync_count += 1
+        self._local_finite.close()
         params = self._params
         unused_everywhere = set()
         if self.find_unused_parameters:

@@ -226,6 +226,35 @@ def use_shared_memory(cfg, group: Group) -> bool:
     return group.device.type == "cpu" and group.size > 1 and local == group.size
 
 
+def check_worlds(args, world_size: int) -> str | None:
+    """A lab's --worlds (memory at several world sizes from one launch, with --memory-only), or why not."""
+    worlds = getattr(args, "worlds", None)
+    if worlds is not None and not getattr(args, "memory_only", False):
+        return "--worlds goes with --memory-only"
+    bad = [n for n in worlds or [] if not 1 <= n <= world_size]
+    if bad:
+        return f"--worlds: {bad[0]} rank(s) cannot be formed from this launch's {world_size}: use 1 to {world_size}"
+    return None
+
+
+def first_ranks(group: Group, sizes) -> dict[int, Group | None]:
+    """For each n in `sizes`: the group of `group`'s first n ranks on its members, None on the others -- so one
+    launch measures what launches at several world sizes would (a memory table at 1, 2 and 4 ranks). Collective:
+    every rank of `group` calls it with the same sizes (torch.distributed.new_group's rule)."""
+    import torch.distributed as dist
+    out = {}
+    for n in sizes:
+        if not 1 <= n <= group.size:
+            raise ValueError(f"a world of {n} rank(s) cannot be formed from {group.size}: use sizes from 1 to "
+                             f"{group.size}, or launch more ranks")
+        if n == group.size:
+            out[n] = group
+            continue
+        pg = dist.new_group([group.global_rank(r) for r in range(n)], backend=group.backend)
+        out[n] = Group.of(pg) if group.rank < n else None
+    return out
+
+
 # ----------------------------------------------------------------------------- building a run
 
 @dataclass

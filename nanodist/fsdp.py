@@ -55,7 +55,8 @@ from torch import nn
 from . import diverge
 from .group import Group
 from .state import torch_layout
-from .sync import Bucket, GradSync, Observer, Slot, Work, all_gather, reduce_scatter_sum
+from .sync import (Bucket, GradSync, LocalFinite, Observer, ReportsLocalFinite, Slot, Work, all_gather,
+                   reduce_scatter_sum)
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
@@ -170,7 +171,7 @@ class Unit:
         return self.padded * self.full.element_size()
 
 
-class FSDP(nn.Module):
+class FSDP(nn.Module, ReportsLocalFinite):
     """ZeRO-3 over `units` (submodules of `module`; the root holds the rest). See the module docstring.
 
     - group: the ranks that shard (default: the world).
@@ -255,6 +256,7 @@ class FSDP(nn.Module):
         self._frozen_units = [u for u in self.units if not u.requires_grad]
         self._ran, self._ran_expected = [], list(range(len(self._order)))
         self._digest_check = diverge.PendingCheck("FSDP")
+        self._local_finite = LocalFinite()
         self._install_hooks()
         trainable = [u for u in self.units if u.requires_grad]
         # Backward produces the last units' gradients first, the root's (embeddings) last.
@@ -391,6 +393,7 @@ class FSDP(nn.Module):
             grad = torch.zeros(unit.padded, dtype=unit.compute_dtype, device=unit.shard.device)
         dtype = self.reduce_dtype or unit.shard.dtype
         send = grad if grad.dtype == dtype else grad.to(dtype)
+        self._local_finite.add(send)
         out = torch.empty(unit.shard_numel, dtype=dtype, device=send.device)
         b.extra["out"] = out
         self._event("reduce_started", unit)
@@ -410,6 +413,7 @@ class FSDP(nn.Module):
                 self._free(other)
 
     def _finish_reduce(self, missing) -> None:
+        self._local_finite.close()
         W = self.world_size
         buckets = self._engine.buckets
         # A unit no rank used in this step gets no gradient (None), as a module unused in one process would: the

@@ -70,6 +70,53 @@ class Work:
 DONE = Work()  # the handle of a reduction that has already finished
 
 
+class LocalFinite:
+    """Was this rank's own gradient finite, before the ranks averaged it? After averaging every rank holds the
+    same NaN or inf, and only this says where it came from. One sum per bucket as it is packed (a NaN or inf
+    anywhere makes the sum non-finite), kept on the device: nothing waits for it, and it is read only when a run
+    stops on a non-finite gradient norm (the Trainer then names the rank)."""
+
+    def __init__(self):
+        self._sums: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None  # a 0-D bool tensor: the last synchronisation's verdict
+
+    def add(self, packed: torch.Tensor) -> None:
+        self._sums.append(packed.sum())
+
+    def close(self) -> None:
+        if self._sums:
+            self.last = torch.isfinite(torch.stack(self._sums).sum())
+            self._sums = []
+
+    @staticmethod
+    def cost_s(buffers: list[torch.Tensor], n: int = 50) -> float:
+        """Seconds the check costs one synchronisation over these gradient buffers, measured here (the verdict is
+        read at the end, so a GPU's asynchronous work is counted too)."""
+        import time
+        check = LocalFinite()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            for b in buffers:
+                check.add(b)
+            check.close()
+        if check.last is not None:
+            bool(check.last)
+        return (time.perf_counter() - t0) / n
+
+
+class ReportsLocalFinite:
+    """For a wrapper that packs this rank's gradients (DDP, FSDP, the ZeRO optimizers): `local_gradient_finite`."""
+
+    _local_finite: LocalFinite
+
+    @property
+    def local_gradient_finite(self):
+        """A 0-D bool tensor: was this rank's own gradient finite at the last synchronisation (before averaging)?
+        None before the first. Reading it waits for the device: the Trainer reads it only to name the rank when
+        a run stops on a non-finite gradient norm."""
+        return self._local_finite.last
+
+
 # ----------------------------------------------------------------------------- collectives
 
 class _CopyBack(Work):

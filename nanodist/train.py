@@ -168,6 +168,10 @@ def _wandb_configured() -> bool:
         return False
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 class NonFiniteError(RuntimeError):
     """The loss or the gradient stopped being finite; raised on every rank at once."""
 
@@ -353,7 +357,9 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         row = {"step": step, "start": start, "end": end, "opt_start": opt_start, "opt_end": opt_end,
-               "loss": loss_sum / self.grad_accum, "lr": lr, "grad_norm": norm.detach(), "skipped": skipped}
+               "loss": loss_sum / self.grad_accum, "lr": lr, "grad_norm": norm.detach(), "skipped": skipped,
+               # a device tensor, read only if this step stops the run: was this rank's own gradient finite?
+               "local_finite": getattr(self.sync, "local_gradient_finite", None)}
         self._pending.append(row)
         return row
 
@@ -370,18 +376,28 @@ class Trainer:
             row["optimizer_s"] = self._timer.seconds(row.pop("opt_start"), row.pop("opt_end"))  # the update alone
             row["tokens_per_s"] = self.tokens_per_step / row["time_s"] if row["time_s"] > 0 else float("inf")
             row["loss"], row["grad_norm"] = float(row["loss"]), float(row["grad_norm"])
+            local_finite = row.pop("local_finite")
             if row.pop("skipped"):
                 row["skipped"] = True  # only skipped steps carry the flag
             if self.cfg.nonfinite == "stop" and not (math.isfinite(row["grad_norm"]) and math.isfinite(row["loss"])):
-                self._stop_nonfinite(row)
+                self._stop_nonfinite(row, local_finite)
             self._log(row)
 
-    def _stop_nonfinite(self, row: dict) -> None:
-        # The norm is global, so every rank sees it at the same step; the losses say where it came from.
+    def _stop_nonfinite(self, row: dict, local_finite=None) -> None:
+        # The norm is global, so every rank sees it at the same step; the losses say where it came from, and, when
+        # every loss was finite, each rank's own gradient before averaging (nanodist's wrappers keep that verdict).
         losses = self.group.all_gather_object(row["loss"])
         bad = [self.group.global_rank(r) for r, v in enumerate(losses) if not math.isfinite(v)]
-        where = (f"the loss was {', '.join(f'{losses[self.group.ranks.index(r)]} on rank {r}' for r in bad)}" if bad
-                 else "every rank's loss was finite, so a gradient became non-finite in backward")
+        grads = self.group.all_gather_object(None if local_finite is None else bool(local_finite))
+        bad_grads = [self.group.global_rank(r) for r, ok in enumerate(grads) if ok is False]
+        if bad:
+            where = f"the loss was {', '.join(f'{losses[self.group.ranks.index(r)]} on rank {r}' for r in bad)}"
+        elif bad_grads:
+            where = (f"every rank's loss was finite, but the gradient of {_ranks(bad_grads)} was non-finite before "
+                     f"the ranks averaged it: a backward on {'that rank' if len(bad_grads) == 1 else 'those ranks'} "
+                     f"overflowed, or a hook or a custom autograd function wrote a NaN or inf")
+        else:
+            where = "every rank's loss was finite, so a gradient became non-finite in backward"
         msg = (f"non-finite values at step {row['step']}: the global gradient norm is {row['grad_norm']} and {where}. "
                f"The run stops here, on every rank. Lower the learning rate or check the data at that step; "
                f"TrainConfig(nonfinite='skip') skips such steps instead (as torch's GradScaler does).")

@@ -552,6 +552,87 @@ def test_saving_a_step_again_replaces_it_in_one_step(tmp_path, fmt, monkeypatch)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
+# ----------------------------------------------------------------------------- hostile files, several ranks
+
+def hostile_worker(rank, world, directory):
+    """Checkpoints written by `world` ranks (FSDP, both formats), then damaged by rank 0 while the others wait:
+    every rank must refuse each one with the same CheckpointError (or fall back), none may hang or read outside."""
+    from torch import distributed as dist
+    root = Path(directory)
+    said = {}
+    for fmt in ("sharded", "full"):
+        d = root / fmt
+        mgr = CheckpointManager(d, format=fmt, keep=3)
+        run = make_run("fsdp", group=None, manager=mgr, every=2)
+        run.trainer.fit(max_steps=4)
+        mgr.wait()
+        step = d / "step_00000004"
+        cases = {}
+        if fmt == "sharded":
+            cases["flipped byte"] = "checksum differs"
+            cases["metadata pointing outside"] = "outside the checkpoint's own files"
+            cases["a FIFO for a shard"] = "not a regular file"
+        else:
+            cases["flipped byte"] = "checksum differs"
+        for case, expect in cases.items():
+            work = root / f"{fmt}-{case.replace(' ', '-')}"
+            if rank == 0:
+                shutil.copytree(d, work)
+                target = work / "step_00000004"
+                shards = sorted(f for f in target.rglob("*") if f.is_file() and f.name not in ("meta.json", ".metadata"))
+                victim = max(shards, key=lambda f: f.stat().st_size)
+                if case == "flipped byte":
+                    data = victim.read_bytes()
+                    victim.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+                elif case == "metadata pointing outside":
+                    (root / "secret.txt").write_text("someone else's")
+
+                    def change(metadata):
+                        for info in metadata.storage_data.values():
+                            info.relative_path = "../../secret.txt"
+                    _rewrite_metadata(target, change)
+                else:
+                    victim.unlink()
+                    os.mkfifo(victim)
+            dist.barrier()
+            for verify_files in (True, False) if case != "flipped byte" else (True,):
+                try:
+                    load(work / "step_00000004", make_run("fsdp").trainer, verify_files=verify_files)
+                    said[fmt, case, verify_files] = "loaded"
+                except CheckpointError as e:
+                    said[fmt, case, verify_files] = expect in str(e) or str(e)[:300]
+        # a damaged pointer: every rank falls back to the intact newest step; a linked STOPPED is refused
+        if rank == 0:
+            (d / "latest").write_bytes(b"\xff\xfe\x00step_\x80")
+        dist.barrier()
+        said[fmt, "binary latest", None] = CheckpointManager(d, format=fmt).find("auto") == step
+        dist.barrier()
+        if rank == 0:
+            (root / "precious.txt").write_text("keep me")
+            (d / "STOPPED").symlink_to(root / "precious.txt")
+        dist.barrier()
+        try:
+            CheckpointManager(d, format=fmt).find("auto")
+            said[fmt, "linked STOPPED", None] = "read"
+        except CheckpointError as e:
+            said[fmt, "linked STOPPED", None] = "STOPPED is a symbolic link" in str(e) or str(e)[:300]
+        dist.barrier()
+    return said
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_hostile_files_are_refused_on_every_rank(tmp_path, world):
+    """The one-process cases above, with checkpoints written by several ranks: a flipped byte, a .metadata that
+    points outside, a FIFO for a shard (it would block), a binary `latest`, a linked STOPPED."""
+    outs = spawn(hostile_worker, world, args=(str(tmp_path),), timeout=120)
+    for rank, said in enumerate(outs):
+        wrong = {k: v for k, v in said.items() if v is not True}
+        assert not wrong, (rank, wrong)
+        assert len(said) == 10
+    assert outs[0] == outs[-1]
+
+
 # ----------------------------------------------------------------------------- across wrappers
 
 CROSS = [("nanodist-pg", "adamw"), ("fsdp", "adamw"), ("fsdp2", "adamw")]

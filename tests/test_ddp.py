@@ -263,7 +263,7 @@ def test_gradients_are_bit_identical_to_torch_ddp_once_its_buckets_are_rebuilt()
         assert unequal[1] == [] and unequal[2] == [], unequal
 
 
-def drift_worker(rank, world):
+def drift_worker(rank, world, fault="extra"):
     torch.manual_seed(0)
     model = nd.DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -271,8 +271,9 @@ def drift_worker(rank, world):
     try:
         for step in range(4):
             loss = model(x).sum()
-            loss.backward(retain_graph=True)
-            if step == 1:
+            if not (fault == "skip" and step == 1 and rank == 1):  # rank 1 skips one backward, steps anyway
+                loss.backward(retain_graph=True)
+            if step == 1 and fault == "extra":
                 nd.faults.extra_backward(loss, rank=1)  # one backward too many on rank 1 only
             opt.step()
             opt.zero_grad()
@@ -282,12 +283,16 @@ def drift_worker(rank, world):
 
 
 @pytest.mark.dist
-def test_ranks_whose_step_counts_drift_apart_fail_at_once_and_are_named():
-    outs = spawn(drift_worker, 2, timeout=60)
+@pytest.mark.parametrize("fault", ["extra", "skip"])
+def test_ranks_whose_step_counts_drift_apart_fail_at_once_and_are_named(fault):
+    """A backward without a step, or a step without a backward, on one rank: the next sync pairs gradients of
+    different steps, and both ranks raise there, naming where each was (before: gloo's "Connection reset")."""
+    outs = spawn(drift_worker, 2, args=(fault,), timeout=60)
     for out in outs:  # both ranks, at the very sync that paired different steps (not at the end of the run)
         assert out["error"] and "averaged gradients from different steps" in out["error"]
-        assert "rank 0 after 2 optimizer step(s), rank 1 after 1 optimizer step(s)" in out["error"]
-    assert [o["step"] for o in outs] == [2, 1]
+        behind, ahead = ("rank 1 after 1", "rank 0 after 2") if fault == "extra" else ("rank 0 after 1", "rank 1 after 2")
+        assert behind + " optimizer step(s)" in out["error"] and ahead + " optimizer step(s)" in out["error"], out
+    assert [o["step"] for o in outs] == ([2, 1] if fault == "extra" else [1, 2])
 
 
 def deferred_worker(rank, world, case):

@@ -49,7 +49,7 @@ def test_all_implementations_in_one_run_train_identically(results_dir):
     assert curves["torch"][-1] < curves["torch"][0]
     assert m["impls"]["single"]["world_size"] == 1 and m["impls"]["torch"]["world_size"] == 2
     for key in ("ratio_nanodist_vs_torch", "ratio_nanodist_pg_vs_torch", "ratio_naive_vs_torch", "speedup",
-                "efficiency"):
+                "efficiency", "ratio_divergence_tracking_vs_step", "ratio_local_finite_check_vs_step"):
         assert m[key] > 0
     assert m["efficiency"] == pytest.approx(m["speedup"] / 2)
     assert m["baseline_source"] == "same run"
@@ -58,6 +58,7 @@ def test_all_implementations_in_one_run_train_identically(results_dir):
     assert len(run.results["steps"]) == 5 and run.results["steps"][0]["tokens_per_s"] > 0
     printed = "\n".join(run.lines(0))
     assert "ratio nanodist/torch DDP throughput:" in printed and "weak-scaling efficiency" in printed
+    assert "ratio local-gradient finiteness check / nanodist DDP step:" in printed
     # MFU on a CPU: against the matmul rate measured in the rank's own process
     assert "MFU against this CPU's measured fp32 matmul rate (1 thread(s))" in printed
     for r in m["impls"].values():

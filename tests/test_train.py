@@ -2,6 +2,7 @@
 import copy
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -295,3 +296,51 @@ def test_a_nan_on_one_rank_stops_every_rank_or_is_skipped(tmp_path, mode):
         for out in outs:
             assert out["error"] is None and out["step"] == 6 and out["skipped"] == 1 and out["finite"]
             assert [s for s, skipped in out["history"] if skipped] == [3]
+
+
+def inf_grad_worker(rank, world, wrapper, bad):
+    """Every loss finite; on rank `bad` a backward hook writes an inf into the gradient flowing out of block 0's MLP
+    at step 2 (the forward, and so the loss, is untouched)."""
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16))
+    calls = [0]
+
+    def poison(module, grad_input, grad_output):
+        calls[0] += 1
+        if rank == bad and calls[0] == 3:  # the third backward: step 2
+            g = grad_input[0].clone()
+            g.view(-1)[0] = float("inf")
+            return (g,)
+        return None
+
+    model.blocks[0].mlp.register_full_backward_hook(poison)
+    stream = TokenStream(torch.tensor(tok.encode(text)), batch_size=2, block_size=16, rank=rank, world_size=world,
+                         seed=0)
+    cfg = TrainConfig(steps=5, micro_batch=2, seq_len=16, progress=False, log_every=0)
+    if wrapper == "ddp":
+        m, opt = nd.DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elif wrapper == "fsdp":
+        m = nd.FSDP(model, units=list(model.blocks))
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    elif wrapper == "dist-adamw":
+        m, opt = model, nd.optim.DistAdamW(model.parameters(), lr=1e-3)
+    else:
+        m, opt = model, nd.optim.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    try:
+        Trainer(m, opt, stream, cfg).fit()
+        return None
+    except nd.train.NonFiniteError as e:
+        return str(e)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("wrapper", ["ddp", "dist-adamw", "zero1", "fsdp"])
+def test_an_inf_gradient_with_finite_losses_names_the_rank_it_came_from(wrapper):
+    """After averaging every rank holds the inf; only the rank's own gradient, checked as it was packed, says
+    where it came from (before, the message said only that some gradient became non-finite)."""
+    bad = random.randrange(3)
+    for err in spawn(inf_grad_worker, 3, args=(wrapper, bad), timeout=120):
+        assert err is not None and "non-finite values at step 2" in err, err
+        assert f"but the gradient of rank {bad} was non-finite before the ranks averaged it" in err, err

@@ -338,17 +338,19 @@ first attempt only. Here is what happens to every rank:
 4. they train steps 4 to 7 again: the work lost is the 2 steps since the checkpoint, plus the restart.
 
 Three set-ups: nanodist DDP with AdamW, DistMuon with DistAdamW (ZeRO, Chapter 4), and nanodist FSDP
-(Chapter 5). Each runs once uninterrupted and once killed:
+(Chapter 5), saving sharded checkpoints but for ZeRO, which saves full ones. Each runs once uninterrupted and
+once killed:
 """)
 
 code(r"""
 TINY = "--model tiny --micro-batch 2 --seq-len 16 --no-progress --steps 8 --checkpoint-every 4"
+SAVES = {"ddp": "--checkpoint-format sharded", "zero": "--checkpoint-format full", "fsdp": "--checkpoint-format sharded"}
 killed, uninterrupted = {}, {}
-for impl in ("ddp", "zero", "fsdp"):
+for impl, saves in SAVES.items():
     uninterrupted[impl] = nd.launch("lab06_checkpoint", nproc=2, echo=False, timeout=120,
-                                    args=f"{TINY} --impl {impl} --checkpoint-dir {work / ('u-' + impl)}")
+                                    args=f"{TINY} {saves} --impl {impl} --checkpoint-dir {work / ('u-' + impl)}")
     killed[impl] = nd.launch("lab06_checkpoint", nproc=2, echo=False, timeout=120, restarts=1,
-                             args=f"{TINY} --impl {impl} --checkpoint-dir {work / ('k-' + impl)} --die-at 6")
+                             args=f"{TINY} {saves} --impl {impl} --checkpoint-dir {work / ('k-' + impl)} --die-at 6")
 print("\n".join(line for line in killed["fsdp"].output.splitlines()
                 if "killed" in line or "resumed" in line or "trained" in line or "restart" in line.lower()))
 assert all(run.restarts == 1 for run in killed.values()) and all(run.restarts == 0 for run in uninterrupted.values())
@@ -363,7 +365,11 @@ for impl in killed:
     assert killed[impl].restarts == 1 and b["metrics"]["resumed"]["step"] == 4
     assert a["metrics"]["fingerprint"] == b["metrics"]["fingerprint"] and losses_a == losses_b
     assert [s["step"] for s in b["steps"]] == list(range(8)) and len(b["resumes"]) == 1
-    rows.append({"set-up": impl, "restarts": killed[impl].restarts, "resumed at step": b["metrics"]["resumed"]["step"],
+    folder = work / ("k-" + impl)  # the killed run's checkpoints: committed, intact, nothing half-written left
+    assert (folder / "latest").read_text().strip() == "step_00000008" and not list(folder.glob(".tmp-*"))
+    verify(folder / "step_00000008")  # every file against the checksum saved with it
+    rows.append({"set-up": impl, "checkpoint": SAVES[impl].replace("--checkpoint-format ", ""),
+                 "restarts": killed[impl].restarts, "resumed at step": b["metrics"]["resumed"]["step"],
                  "SHA-256 equal": a["metrics"]["fingerprint"] == b["metrics"]["fingerprint"],
                  "loss curves equal": losses_a == losses_b})
 Table(rows)

@@ -45,7 +45,8 @@ from torch import nn
 
 from .. import diverge
 from ..group import Group
-from ..sync import DONE, Bucket, GradSync, Slot, Work, all_gather, all_reduce_sum, pack_buckets, reduce_scatter_sum
+from ..sync import (DONE, Bucket, GradSync, LocalFinite, ReportsLocalFinite, Slot, Work, all_gather, all_reduce_sum,
+                    pack_buckets, reduce_scatter_sum)
 from . import adamw as _adamw
 from .agreement import agree
 from .layout import Piece, PipelineRecorder, is_dtensor, slice_bounds
@@ -58,7 +59,7 @@ RESHARD_HINT = ("to resume at another world size, save and load through nanodist
                 "parameter name at its global shape (Chapter 6)")
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, ReportsLocalFinite):
     """ZeRO stage 1 or 2 over param groups of kind "adamw" and "muon" (see the module docstring).
 
     - params: parameters or param groups; a group's "kind" defaults to `kind`. A group may carry
@@ -110,6 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._plan_key = None
         self._reduced = False
         self._digest_check = diverge.PendingCheck(name)
+        self._local_finite = LocalFinite()
         super().__init__(params, {})
         self._plan()  # the hooks are in place before the first backward
 
@@ -302,6 +304,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         send = shm.mine.view(W, row) if shm is not None else torch.zeros(W, row, dtype=b.dtype,
                                                                           device=self._comm_device(b))
         self._pack(b, send, grads)
+        self._local_finite.add(send)
         if self.zero_stage == 1:
             if b.extra.get("pending"):
                 diverge.note(self.group, f"it reduced bucket {b.index} again before a step (a backward without a step)")
@@ -371,6 +374,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _finish(self, missing: list[int]) -> None:
         """Every bucket's reduction is in: turn sums into averages (stage 2: into the shard kept; stage 1: into
         p.grad, the whole averaged gradient)."""
+        self._local_finite.close()
         W = self.world_size
         for b in self._buckets:
             if self.zero_stage == 2:

@@ -37,13 +37,13 @@ import torch.distributed as dist
 from .. import diverge
 from ..group import Group
 from .agreement import agree
-from ..sync import GradSync, Slot, Bucket, all_gather, pack_buckets, reduce_scatter_sum
+from ..sync import Bucket, GradSync, LocalFinite, ReportsLocalFinite, Slot, all_gather, pack_buckets, reduce_scatter_sum
 from .muon import deal  # Muon deals whole matrices the same way
 
 HYPER_SKIP = ("params", "param_names")
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer, ReportsLocalFinite):
     """ZeRO-1 over `optimizer_class` (see the module docstring).
 
     - params: parameters or param groups, as for any torch optimizer; `**defaults` go to optimizer_class.
@@ -75,6 +75,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._last_norm = None
         self.bytes_per_step = 0  # what each rank sends in one step's reduce-scatter and all-gather
         self._digest_check = diverge.PendingCheck("ZeroOptimizer")
+        self._local_finite = LocalFinite()
         super().__init__(params, defaults)
         local = [{**{k: v for k, v in grp.items() if k not in HYPER_SKIP}, "params": self._mine(grp["params"])}
                  for grp in self.param_groups]
@@ -177,6 +178,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device = self.group.comm_device if self.group.backend == "nccl" else b.device
         send = torch.zeros(W * row, dtype=b.dtype, device=device)
         b.pack(send, grads)
+        self._local_finite.add(send)
         for i in b.params:  # the gradient now travels to its owner; the owner's .grad is set again at step()
             self._params[i].grad = None
         shard = b.extra.get("shard")
@@ -188,6 +190,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                   what=b.extra["what"])
 
     def _finish(self, missing) -> None:
+        self._local_finite.close()
         for b in self._buckets:
             out = b.extra.pop("out")
             out.div_(self.world_size)
