@@ -115,18 +115,25 @@ def code_version() -> dict:
     return {"nanodist": __version__, "commit": commit, "torch": torch.__version__}
 
 
-# Optimizers that shard another's state, by the update rule they run (a checkpoint of one loads into the other).
-ALGORITHMS = {"DistAdamW": "AdamW", "DistMuon": "Muon"}
+# Optimizers that shard another's state, by the update rule they run (a checkpoint of one loads into the other):
+# for checkpoints written before the signature recorded the rule.
+ALGORITHMS = {"DistAdamW": "AdamW", "DistMuon": "Muon", "ShardedOptimizer": "Muon+AdamW", "MuonAdamW": "Muon+AdamW"}
+
+
+KINDS = {"adamw": "AdamW", "muon": "Muon"}
 
 
 def algorithm(optimizer) -> str:
     """The update rule whose state an optimizer keeps: the class name, seen through the wrappers that shard an
-    inner optimizer (ZeroOptimizer's `inner`, torch ZeroRedundancyOptimizer's `optim`) and nanodist's sharded
-    AdamW and Muon."""
+    inner optimizer (ZeroOptimizer's `inner`, torch ZeroRedundancyOptimizer's `optim`); for an optimizer whose
+    groups each name their rule (nanodist's sharded optimizers, MuonAdamW), those rules ("Muon+AdamW")."""
     for attr in ("inner", "optim"):
         inner = getattr(optimizer, attr, None)
         if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
             return algorithm(inner)
+    kinds = [g.get("kind") for g in optimizer.param_groups]
+    if kinds and all(k in KINDS for k in kinds):
+        return "+".join(sorted({KINDS[k] for k in kinds}, reverse=True))
     name = type(optimizer).__name__
     return ALGORITHMS.get(name, name)
 

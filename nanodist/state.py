@@ -102,9 +102,10 @@ def torch_layout(optimizer, order: list[str], state: dict, saved_groups: list[di
             raise ValueError(f"param group {k} of this optimizer ({len(mine)} parameter(s): "
                              f"{', '.join(mine[:3])}{', ...' if len(mine) > 3 else ''}) has no saved group with the "
                              f"same parameters: build the param groups as the saved run did")
-        group = {**match[0], "params": list(range(at, at + len(mine)))}
-        if "kind" in g and "kind" not in group:  # saved by torch's AdamW, loaded into DistAdamW: the group's rule
-            group["kind"] = g["kind"]
+        # The saved hyperparameters over this group's own: a key the saving optimizer did not have (torch's
+        # AdamW's amsgrad in a DistAdamW checkpoint, DistAdamW's kind in torch's) keeps this optimizer's value.
+        live = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        group = {**live, **match[0], "params": list(range(at, at + len(mine)))}
         if "param_names" in group:
             group["param_names"] = list(mine)
         groups.append(group)

@@ -676,21 +676,22 @@ def test_a_checkpoint_loads_into_any_other_wrapper(tmp_path, world, old_fsdp):
 
 
 OPTIMIZER_CROSS = [("nanodist-pg", "adamw"), ("none", "dist-adamw"), ("none", "zero1-adamw")]
+MUON_CROSS = [("nanodist-pg", "muon"), ("none", "dist-muon")]  # torch's Muon + AdamW; DistMuon + DistAdamW
 
 
-def optimizer_cross_worker(rank, world, directory):
+def optimizer_cross_worker(rank, world, directory, setups):
     """AdamW's state saved by torch's AdamW behind DDP, by DistAdamW (slices of every tensor) and by ZeroOptimizer
     (whole tensors on their owners), loaded into each of the others: the same moments, name for name."""
     out = {}
     for fmt in ("sharded", "full"):
-        for src in OPTIMIZER_CROSS:
+        for src in setups:
             d = Path(directory) / f"{fmt}-{src[1]}"
             a = make_run(*src)
             a.trainer.fit(max_steps=2)
             CheckpointManager(d, format=fmt).save(a.trainer)
             saved = fingerprint(a.trainer)
             a.trainer.fit(max_steps=2)  # two more steps: the second one's loss depends on the moments saved
-            for dst in OPTIMIZER_CROSS:
+            for dst in setups:
                 if dst == src:
                     continue
                 b = make_run(*dst)
@@ -707,9 +708,10 @@ def optimizer_cross_worker(rank, world, directory):
 
 
 @pytest.mark.dist
-def test_adamw_state_loads_across_sharded_and_unsharded_optimizers(tmp_path):
-    for rank_out in spawn(optimizer_cross_worker, 2, args=(str(tmp_path),), timeout=120):
-        assert len(rank_out) == 2 * len(OPTIMIZER_CROSS) * (len(OPTIMIZER_CROSS) - 1)
+@pytest.mark.parametrize("setups", [OPTIMIZER_CROSS, MUON_CROSS], ids=["adamw", "muon"])
+def test_optimizer_state_loads_across_sharded_and_unsharded_optimizers(tmp_path, setups):
+    for rank_out in spawn(optimizer_cross_worker, 2, args=(str(tmp_path), setups), timeout=120):
+        assert len(rank_out) == 2 * len(setups) * (len(setups) - 1)
         wrong = {k: v for k, v in rank_out.items() if v is not True}
         assert not wrong, wrong
 

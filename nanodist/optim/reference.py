@@ -33,8 +33,11 @@ class MuonAdamW(torch.optim.Optimizer):
                                f"on; this is torch {torch.__version__}: upgrade torch (pip install 'torch>=2.9')")
         muon, groups = muon_adamw_groups(model, weight_decay, exclude)
         fused = any(p.is_cuda for g in groups for p in g["params"])
-        self.adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
-        self.muon = torch.optim.Muon([{"params": [p for _, p in muon], "param_names": [n for n, _ in muon]}],
+        # Each group says its rule ("kind"), as make_muon_optimizer's do: a checkpoint of one loads into the other.
+        self.adamw = torch.optim.AdamW([{**g, "kind": "adamw"} for g in groups], lr=lr, betas=betas,
+                                       fused=fused or None)
+        self.muon = torch.optim.Muon([{"params": [p for _, p in muon], "param_names": [n for n, _ in muon],
+                                       "kind": "muon"}],
                                      lr=muon_lr, weight_decay=muon_weight_decay, momentum=momentum) if muon else None
         inner = self.adamw.param_groups + (self.muon.param_groups if self.muon else [])
         super().__init__(inner, {})  # torch keeps the very dicts it is given: one set of groups for all three
