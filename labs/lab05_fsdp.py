@@ -60,7 +60,6 @@ def check_budget(args, world_size):
     if args.budget is not None and not args.budget > 0:
         return f"--budget must be a positive number of MiB, got {args.budget}"
     return experiment.check_worlds(args, world_size)
-    return None
 
 
 def model_states(memory: dict) -> int:

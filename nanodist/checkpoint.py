@@ -893,9 +893,15 @@ def _check_compatible(meta: dict, template: dict, trainer, tied: dict) -> None:
                               (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     # The update rule decides whether the state maps, not the class that shards it: AdamW's moments saved by
     # torch's AdamW, DistAdamW or ZeroOptimizer(AdamW) load into any of them (groups matched by parameter names).
+    # A checkpoint written before the signature named the rule: the same class still loads, and its Muon group,
+    # which named no kind then, was signed "other".
+    legacy = "algorithm" not in saved
     saved_algorithm = saved.get("algorithm") or ALGORITHMS.get(saved["optimizer"], saved["optimizer"])
-    if saved_algorithm != mine["algorithm"] or sorted(g["kind"] for g in saved["param_groups"]) != \
-            sorted(g["kind"] for g in mine["param_groups"]):
+    same_rule = saved_algorithm == mine["algorithm"] or (legacy and saved["optimizer"] == mine["optimizer"])
+
+    def kinds(groups):
+        return sorted("other" if legacy and g["kind"] == "muon" else g["kind"] for g in groups)
+    if not same_rule or kinds(saved["param_groups"]) != kinds(mine["param_groups"]):
         raise CheckpointError(f"this checkpoint holds the state of {saved['optimizer']} (groups "
                               f"{[g['kind'] for g in saved['param_groups']]}), this run uses {mine['optimizer']} "
                               f"({[g['kind'] for g in mine['param_groups']]}): build the same optimizer")

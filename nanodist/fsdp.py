@@ -54,7 +54,7 @@ from torch import nn
 
 from . import diverge
 from .group import Group
-from .state import torch_layout
+from .state import param_shaped, torch_layout
 from .sync import (Bucket, GradSync, LocalFinite, Observer, ReportsLocalFinite, Slot, Work, all_gather,
                    reduce_scatter_sum)
 
@@ -714,7 +714,11 @@ class FSDP(nn.Module, ReportsLocalFinite):
         world size), or the same with whole tensors (a full checkpoint). A collective."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         names = {id(v): n for unit in self.units for n, v in zip(unit.names, unit.views)}
-        saved = state_dict["state"]
+        shapes = {n: s for unit in self.units for n, s in zip(unit.names, unit.shapes)}
+        # a state tensor saved flat (DistAdamW's moments) or in the parameter's shape: the parameter's shape
+        saved = {n: {k: param_shaped(t, torch.empty(shapes[n], device="meta")) if n in shapes and torch.is_tensor(t)
+                     and k != "step" and t.numel() == math.prod(shapes[n]) else t for k, t in st.items()}
+                 for n, st in state_dict["state"].items()}
         local: dict = {names[id(p)]: {} for p in params}
         for unit in self.units:
             mine = [(j, v) for j, v in enumerate(unit.views) if names.get(id(v)) in local]

@@ -86,6 +86,9 @@ def optimizer_state_dict(model: nn.Module, optimizer) -> dict:
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
 
 
+KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")  # how an optimizer computes, not what
+
+
 def torch_layout(optimizer, order: list[str], state: dict, saved_groups: list[dict]) -> dict:
     """An index-keyed state dict for `optimizer.load_state_dict` built from a name-keyed one: `order` names the
     optimizer's parameters in its groups' order. Each live group takes the hyperparameters of the saved group with
@@ -103,9 +106,11 @@ def torch_layout(optimizer, order: list[str], state: dict, saved_groups: list[di
                              f"{', '.join(mine[:3])}{', ...' if len(mine) > 3 else ''}) has no saved group with the "
                              f"same parameters: build the param groups as the saved run did")
         # The saved hyperparameters over this group's own: a key the saving optimizer did not have (torch's
-        # AdamW's amsgrad in a DistAdamW checkpoint, DistAdamW's kind in torch's) keeps this optimizer's value.
+        # AdamW's amsgrad in a DistAdamW checkpoint, DistAdamW's kind in torch's) keeps this optimizer's value,
+        # and so do the keys that choose a kernel, not the arithmetic (a GPU run keeps its fused AdamW).
         live = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-        group = {**live, **match[0], "params": list(range(at, at + len(mine)))}
+        group = {**live, **match[0], **{k: live[k] for k in KERNEL_KEYS if k in live},
+                 "params": list(range(at, at + len(mine)))}
         if "param_names" in group:
             group["param_names"] = list(mine)
         groups.append(group)
@@ -133,12 +138,12 @@ def load_optimizer_state_dict(model: nn.Module, optimizer, state: dict) -> None:
         if p is None or sharded:
             converted[n] = st
             continue
-        converted[n] = {k: like_param(_param_shaped(v, p), p) if torch.is_tensor(v) and k != "step" and
+        converted[n] = {k: like_param(param_shaped(v, p), p) if torch.is_tensor(v) and k != "step" and
                         v.numel() == p.numel() else v for k, v in st.items()}
     optimizer.load_state_dict(torch_layout(optimizer, [n for _, n in live], converted, state["param_groups"]))
 
 
-def _param_shaped(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def param_shaped(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A state tensor of p's size in p's shape: DistAdamW keeps AdamW's moments flat, (numel,), where torch's
     AdamW keeps them shaped like the parameter; the elements are in the same order."""
     if tuple(t.shape) == tuple(p.shape):

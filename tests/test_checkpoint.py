@@ -675,7 +675,7 @@ def test_a_checkpoint_loads_into_any_other_wrapper(tmp_path, world, old_fsdp):
         assert not wrong, wrong
 
 
-OPTIMIZER_CROSS = [("nanodist-pg", "adamw"), ("none", "dist-adamw"), ("none", "zero1-adamw")]
+OPTIMIZER_CROSS = [("nanodist-pg", "adamw"), ("none", "dist-adamw"), ("none", "zero1-adamw"), ("fsdp", "adamw")]
 MUON_CROSS = [("nanodist-pg", "muon"), ("none", "dist-muon")]  # torch's Muon + AdamW; DistMuon + DistAdamW
 
 
@@ -685,7 +685,7 @@ def optimizer_cross_worker(rank, world, directory, setups):
     out = {}
     for fmt in ("sharded", "full"):
         for src in setups:
-            d = Path(directory) / f"{fmt}-{src[1]}"
+            d = Path(directory) / f"{fmt}-{src[0]}-{src[1]}"
             a = make_run(*src)
             a.trainer.fit(max_steps=2)
             CheckpointManager(d, format=fmt).save(a.trainer)
@@ -701,19 +701,37 @@ def optimizer_cross_worker(rank, world, directory, setups):
                     b.trainer.fit(max_steps=2)
                     # another reduction order: equal up to float rounding (1e-5; zeroed moments move it ~1e-2)
                     la, lb = a.trainer.history[-1]["loss"], b.trainer.history[-1]["loss"]
-                    out[fmt, src[1], dst[1]] = same and abs(la - lb) <= 1e-5 * abs(la) or (same, la, lb)
+                    out[fmt, "+".join(src), "+".join(dst)] = same and abs(la - lb) <= 1e-5 * abs(la) or (same, la, lb)
                 except CheckpointError as e:
-                    out[fmt, src[1], dst[1]] = str(e)[:300]
+                    out[fmt, "+".join(src), "+".join(dst)] = str(e)[:300]
     return out
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("setups", [OPTIMIZER_CROSS, MUON_CROSS], ids=["adamw", "muon"])
-def test_optimizer_state_loads_across_sharded_and_unsharded_optimizers(tmp_path, setups):
-    for rank_out in spawn(optimizer_cross_worker, 2, args=(str(tmp_path), setups), timeout=120):
+@pytest.mark.parametrize("setups, world", [(OPTIMIZER_CROSS, 2), (MUON_CROSS, 2), (OPTIMIZER_CROSS[:2], 1)],
+                         ids=["adamw", "muon", "adamw-1"])
+def test_optimizer_state_loads_across_sharded_and_unsharded_optimizers(tmp_path, setups, world):
+    for rank_out in spawn(optimizer_cross_worker, world, args=(str(tmp_path), setups), timeout=120):
         assert len(rank_out) == 2 * len(setups) * (len(setups) - 1)
         wrong = {k: v for k, v in rank_out.items() if v is not True}
         assert not wrong, wrong
+
+
+def test_a_checkpoint_signed_before_the_rule_was_recorded_still_loads(tmp_path):
+    """Checkpoints written before the signature named the update rule: the same optimizer class loads them, and
+    MuonAdamW's Muon group, signed "other" then, still matches."""
+    a = make_run("single", "muon")
+    a.trainer.fit(max_steps=2)
+    CheckpointManager(tmp_path, format="full").save(a.trainer)
+    meta_file = tmp_path / "step_00000002" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["signature"].pop("algorithm")
+    for g in meta["signature"]["param_groups"]:
+        g["kind"] = "other" if g["kind"] == "muon" else g["kind"]
+    meta_file.write_text(json.dumps(meta))
+    b = make_run("single", "muon")
+    load(tmp_path / "step_00000002", b.trainer)
+    assert fingerprint(b.trainer) == fingerprint(a.trainer)
 
 
 # ----------------------------------------------------------------------------- one run per folder

@@ -739,8 +739,9 @@ class ShardedOptimizer(torch.optim.Optimizer, ReportsLocalFinite):
                                  f"{mesh_size} ranks but this run has {self.world_size}: load it through "
                                  f"torch.distributed.checkpoint, which reshards")
             t = t.to_local()
-        elif key != "step" and kind == "adamw" and t.numel() == p.numel() and self.world_size > 1:
-            a, b = slice_bounds(p.numel(), self.world_size, self.rank)  # a whole tensor (a world of one saved it)
+        elif key != "step" and kind == "adamw" and t.numel() == p.numel():
+            # a whole tensor (a world of one saved it, or torch's AdamW, in the parameter's shape): this rank's slice
+            a, b = slice_bounds(p.numel(), self.world_size, self.rank)
             t = t.reshape(-1)[a:b]
         return t.detach().clone().to(p.device if key != "step" else t.device)
 
