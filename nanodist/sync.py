@@ -81,12 +81,11 @@ class LocalFinite:
         self.last: torch.Tensor | None = None  # a 0-D bool tensor: the last synchronisation's verdict
 
     def add(self, packed: torch.Tensor) -> None:
-        self._sums.append(packed.sum(dtype=torch.float32))  # in fp32: a low-precision sum of finite values overflows
+        self._sums.append(packed.sum(dtype=torch.float32))  # fp32: a low-precision sum of finite values overflows
 
     def close(self) -> None:
-        if self._sums:
-            device = self._sums[0].device  # buckets on several devices: their sums meet on the first one's
-            self.last = torch.isfinite(torch.stack([s.to(device) for s in self._sums]).sum())
+        if self._sums:  # (buckets on several devices: their sums meet on the first one's)
+            self.last = torch.isfinite(torch.stack([s.to(self._sums[0].device) for s in self._sums]).sum())
             self._sums = []
 
     @staticmethod
