@@ -98,7 +98,7 @@ def main():
         data_seed_distinct=len({tuple(r["data_randn"]) for r in reports}) == info.world_size,
     )
     path = rec.save()
-    nd.print0(f"wrote {path}")
+    nd.print0(f"wrote {nd.results.shown(path)}")
     nd.shutdown()
 
 

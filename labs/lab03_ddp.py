@@ -192,7 +192,7 @@ def main():
         nd.print0(f"{args.scaling}-scaling speedup {what}: {speedup:.2f}")
         nd.print0(f"{args.scaling}-scaling efficiency {what}: {speedup / group.size:.2f}")
     rec.metrics.update(metrics)
-    nd.print0(f"wrote {rec.save()}")
+    nd.print0(f"wrote {nd.results.shown(rec.save())}")
     nd.shutdown()
 
 

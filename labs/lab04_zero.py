@@ -162,7 +162,7 @@ def main():
             worst = max(run["memory"], key=lambda m: m["total"])
             nd.print0(f"{run['world_size']} rank(s), stage {run['stage']} {run['label']:>20}: per rank (max) params "
                       f"{worst['params']} B  grads {worst['grads']} B  optimizer state {worst['optimizer_state']} B")
-        nd.print0(f"wrote {rec.save()}")
+        nd.print0(f"wrote {nd.results.shown(rec.save())}")
         return nd.shutdown()
 
     main_opt = "dist-adamw" if "dist-adamw" in opts else opts[0]
@@ -226,7 +226,7 @@ def main():
         metrics["ratio_optimizer_step_dist_muon_vs_torch_muon"] = ratio
         nd.print0(f"ratio DistMuon/torch Muon optimizer step time (both with AdamW for the rest): {ratio:.2f}")
     rec.metrics.update(metrics)
-    nd.print0(f"wrote {rec.save()}")
+    nd.print0(f"wrote {nd.results.shown(rec.save())}")
     nd.shutdown()
 
 

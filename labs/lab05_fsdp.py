@@ -232,7 +232,7 @@ def main():
                   f"{1e3 * c['on']['median_step_s']:.1f} ms")
     if timed:
         rec.metrics.update(compare(args, cfg, data, group, rec))
-    nd.print0(f"wrote {rec.save()}")
+    nd.print0(f"wrote {nd.results.shown(rec.save())}")
     nd.shutdown()
 
 

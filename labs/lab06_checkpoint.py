@@ -51,7 +51,7 @@ def parse_args():
                         "recover from: run under torchrun --max-restarts=1)")
     p.add_argument("--die-rank", type=int, default=1)
     p.add_argument("--bench", action="store_true", help="measure save/load time and size instead of training")
-    p.add_argument("--repeats", type=int, default=3, help="--bench: saves of each kind, interleaved")
+    p.add_argument("--repeats", type=int, default=3, help="--bench: saves and loads of each kind, interleaved")
     experiment.add_arguments(p, steps=12)
     return p, p.parse_args()
 
@@ -109,7 +109,7 @@ def train(args, cfg, group, data) -> None:
                                                    "stop": run.train.consumed, "positions": read},
         saves=[{"step": r.step, "blocked_s": r.blocked_s, "format": r.format} for r in ckpt.reports])
     nd.print0(f"attempt {attempt}: trained to step {trainer.step}; fingerprint {rec.metrics['fingerprint'][:16]}")
-    nd.print0(f"wrote {rec.save()}")
+    nd.print0(f"wrote {nd.results.shown(rec.save())}")
 
 
 def dir_bytes(path: Path) -> int:
@@ -138,11 +138,15 @@ def bench(args, cfg, group, data) -> None:
             out[k]["total_s"].append(time.perf_counter() - t0)
     for k, m in managers.items():
         out[k]["bytes"] = dir_bytes(m.latest()) if group.is_main else None
-        group.barrier()
-        t0 = time.perf_counter()
-        load(m.latest(), run.trainer, group=group)
-        group.barrier()
-        out[k]["load_s"] = time.perf_counter() - t0
+        out[k]["load_s"] = []
+    for _ in range(args.repeats):  # loads take turns too: one load alone is at the mercy of the machine
+        for k, m in managers.items():
+            group.barrier()
+            t0 = time.perf_counter()
+            load(m.latest(), run.trainer, group=group)
+            group.barrier()
+            out[k]["load_s"].append(time.perf_counter() - t0)
+    for k in managers:
         out[k] = {key: statistics.median(v) if isinstance(v, list) else v for key, v in out[k].items()}
     if group.is_main:
         shutil.rmtree(root, ignore_errors=True)
@@ -153,7 +157,7 @@ def bench(args, cfg, group, data) -> None:
                "ratio_async_blocked_vs_sync_full": out["full-async"]["blocked_s"] / out["full"]["total_s"]}
     rec.metrics.update(metrics)
     nd.print0(f"== {cfg.model} model ({metrics['params'] / 1e6:.1f} M parameters, a checkpoint of {state_mib:.0f} MiB),"
-              f" {group.size} rank(s), median of {args.repeats} saves each, fsync included")
+              f" {group.size} rank(s), median of {args.repeats} saves and loads each, fsync included")
     for k, o in out.items():
         size = f"{o['bytes'] / 2**20:6.1f} MiB on disk" if group.is_main else ""
         nd.print0(f"{k:>14}: training blocked {1e3 * o['blocked_s']:8.1f} ms, saved in {1e3 * o['total_s']:8.1f} ms, "
@@ -163,7 +167,7 @@ def bench(args, cfg, group, data) -> None:
               f"{metrics['ratio_async_blocked_vs_sync_sharded']:.2f}")
     nd.print0(f"ratio training blocked by an asynchronous full save / a synchronous one: "
               f"{metrics['ratio_async_blocked_vs_sync_full']:.2f}")
-    nd.print0(f"wrote {rec.save()}")
+    nd.print0(f"wrote {nd.results.shown(rec.save())}")
 
 
 def main():

@@ -234,7 +234,8 @@ def data_parallel_speedup(step_s: float, comm_s: float, world_size: int, scaling
 
 SYNC_COLLECTIVES = {  # what each rank sends per step, in units of the model's bytes, by ring: see bytes_per_step
     "ddp": (("all_reduce", 1),),
-    "zero1": (("all_reduce", 1), ("all_gather", 1)),
+    "zero1": (("reduce_scatter", 1), ("all_gather", 1)),  # ZeRO's P_os: DDP's volume, the update in between
+    "zero1-allreduce": (("all_reduce", 1), ("all_gather", 1)),  # DistAdamW(zero_stage=1): keeps the whole gradient
     "zero2": (("reduce_scatter", 1), ("all_gather", 1)),
     "fsdp": (("all_gather", 2), ("reduce_scatter", 1)),  # gathered for forward and again for backward
     "fsdp-keep": (("all_gather", 1), ("reduce_scatter", 1)),  # reshard_after_forward=False: kept for backward
@@ -245,7 +246,9 @@ def bytes_per_step(strategy: str, model_bytes: float, world_size: int) -> float:
     """Bytes each rank sends per optimizer step to keep `model_bytes` of parameters in sync, ring algorithms.
 
         ddp     all-reduce the gradients                         2 (N-1)/N x model
-        zero1   all-reduce the gradients, all-gather the params  3 (N-1)/N x model
+        zero1   reduce-scatter, all-gather (ZeRO's P_os)          2 (N-1)/N x model
+        zero1-allreduce  all-reduce, all-gather: DistAdamW(zero_stage=1), which leaves every rank the whole
+                averaged gradient                                3 (N-1)/N x model
         zero2   reduce-scatter, all-gather                        2 (N-1)/N x model
         fsdp    all-gather twice (forward, backward), reduce-scatter  3 (N-1)/N x model: 1.5x DDP's
         fsdp-keep  FSDP keeping the gathered units for backward   2 (N-1)/N x model

@@ -138,10 +138,23 @@ class GPT(nn.Module):
         # Module construction order fixes the order of draws from torch's global generator, so the same
         # seed gives the same model on every rank: DDP still broadcasts rank 0's weights, but the
         # checkers in nanodist.check can then prove that nothing diverged later.
-        self.apply(self._init_weights)
+        self.init_weights()
         # Activation checkpointing (chapter 5): keep only each block's input for backward, and run the block's
         # forward again when backward reaches it -- less memory, one more forward's worth of compute.
         self.activation_checkpointing = False
+
+    def init_weights(self) -> None:
+        """Give every parameter its initial value, as the constructor does (and with the same draws from torch's
+        generator). For a model built on the meta device, sharded, then materialised with `to_empty()`, whose
+        memory holds whatever was there: LayerNorms back to weight 1 and bias 0, the rest as GPT-2 does. A plain
+        module's to_empty() also unties the head from the token embedding (each module gets its own new tensor):
+        they are tied again here. (fully_shard's to_empty keeps the tie.)"""
+        if self.config.tie_weights and self.lm_head.weight is not self.wte.weight:
+            self.lm_head.weight = self.wte.weight
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

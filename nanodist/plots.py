@@ -141,6 +141,8 @@ def ddp_timeline(timeline: list[dict], step: int = -1, ax=None):
         b = t["bucket"]
         ax.barh(n_buckets - 1 - b, (t["done_s"] - t["launch_s"]) * ms, left=t["launch_s"] * ms,
                 color=PALETTE[b % len(PALETTE)], height=0.6)
+        # a tick at each launch: a small bucket's all-reduce can be over too fast for its bar to show
+        ax.plot([t["launch_s"] * ms], [n_buckets - 1 - b], marker="|", markersize=12, color=PALETTE[b % len(PALETTE)])
     ax.set_yticks(range(n_buckets + 1),
                   [f"bucket {n_buckets - 1 - i}" for i in range(n_buckets)] + ["compute"])
     ax.axvline(end, color="#555555", lw=1, ls="--")
@@ -653,8 +655,10 @@ def memory_over_step(trace: dict, ax=None, unit: float = 2**20, unit_name: str =
         _, ax = plt.subplots(figsize=(6.6, 3.2))
     x = trace["index"]
     ax.plot(x, [v / unit for v in trace["total"]], color="#333333", lw=1.4, label="all allocations")
-    ax.stackplot(x, [v / unit for v in trace["activations"]], [v / unit for v in trace["gathered"]],
-                 colors=[PALETTE[1], PALETTE[0]], alpha=0.6, labels=["saved activations", "gathered units"])
+    layers, colors, labels = [trace["activations"]], [PALETTE[1]], ["saved activations"]
+    if any(trace["gathered"]):  # DDP gathers nothing: no legend entry for a series that is not drawn
+        layers, colors, labels = layers + [trace["gathered"]], colors + [PALETTE[0]], labels + ["gathered units"]
+    ax.stackplot(x, *[[v / unit for v in layer] for layer in layers], colors=colors, alpha=0.6, labels=labels)
     marks = sorted(trace["phases"].items(), key=lambda kv: kv[1])
     ends = [at for _, at in marks[1:]] + [max(x[-1], marks[-1][1] + 1)]
     top = max(trace["total"]) / unit

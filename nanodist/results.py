@@ -395,6 +395,16 @@ def load_all(lab: str | None = None, roots=None, include_reference: bool = True)
     return sorted(records, key=lambda r: (r["created"], r["run_id"]))
 
 
+def shown(path: str | os.PathLike) -> str:
+    """`path` as a printed line should show it: relative to the current directory where it lies inside it or
+    beside it (labs/results/... from the repository, ../labs/results/... from book/), so that no machine's
+    folders end up in a committed notebook; whole where it lies elsewhere (a temporary results folder)."""
+    if path is None:  # Recorder.save() on a rank other than 0: nothing written, nothing to show
+        return ""
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.pardir + os.sep + os.pardir) else str(path)
+
+
 def check_writable(directory: str | Path | None = None) -> Path:
     """Make sure results can be written under `directory` (default: the results directory), before a run spends
     any time: creates it, writes and removes a probe file. Raises ResultsError saying what to do."""

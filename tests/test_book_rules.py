@@ -71,3 +71,17 @@ def test_the_second_kernel_path_fails_a_machine_dependent_output_and_passes_it_w
     # the compared loss differs on the second path (cell 1); the text (cell 0) and the excluded loss (cell 2) pass
     assert other.returncode != 0 and "1 failed, 2 passed" in other.stdout, other.stdout[-2000:]
     assert "::Cell 1" in other.stdout
+
+
+def test_the_api_page_is_current_and_names_every_public_name():
+    """book/api.md is generated from the docstrings (book/tools/make_api.py): it must be what they give now, and
+    name every export of `import nanodist`, the Trainer, the CheckpointManager and every wrapper among them."""
+    import nanodist
+    import make_api  # noqa: E402  (book/tools/make_api.py)
+    page = (ROOT / "book" / "api.md").read_text()
+    assert page == make_api.render(), "book/api.md is out of date: run python book/tools/make_api.py"
+    for name in nanodist.__all__:
+        assert f"`nanodist.{name}" in page, name
+    for name in ("Trainer", "CheckpointManager", "DDP", "FSDP", "DistAdamW", "ZeroOptimizer"):
+        assert name in nanodist.__all__, name
+    assert "api" in (ROOT / "book" / "_toc.yml").read_text()

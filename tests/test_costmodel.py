@@ -157,3 +157,18 @@ def test_young_interval_minimises_the_expected_loss():
             young_daly_interval(*bad)
     with pytest.raises(ValueError, match="interval_s > 0"):
         checkpoint_overhead(0, C, M)
+
+
+def test_zero_stages_one_and_two_send_what_ddp_sends_and_the_all_reduce_variant_half_again():
+    """ZeRO's P_os reduce-scatters and all-gathers (DDP's volume); DistAdamW(zero_stage=1) all-reduces, keeping
+    every rank's whole averaged gradient, and pays half again; FSDP pays half again for its second gather."""
+    for n in (2, 3, 8, 64):
+        ddp = cm.bytes_per_step("ddp", 1.0, n)
+        assert ddp == pytest.approx(2 * (n - 1) / n)
+        assert cm.bytes_per_step("zero1", 1.0, n) == pytest.approx(ddp)
+        assert cm.bytes_per_step("zero2", 1.0, n) == pytest.approx(ddp)
+        assert cm.bytes_per_step("zero1-allreduce", 1.0, n) == pytest.approx(1.5 * ddp)
+        assert cm.bytes_per_step("fsdp", 1.0, n) == pytest.approx(1.5 * ddp)
+        assert cm.bytes_per_step("fsdp-keep", 1.0, n) == pytest.approx(ddp)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        cm.bytes_per_step("zero4", 1.0, 2)

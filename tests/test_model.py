@@ -118,3 +118,29 @@ def test_generate_is_reproducible_and_leaves_global_rng_alone():
     assert torch.equal(greedy, model.generate(prompt[:, :5], 3, temperature=0))
     with pytest.raises(ValueError, match="explicit generator"):
         model.generate(prompt, 1)
+
+
+
+def test_a_model_built_on_the_meta_device_initialises_every_parameter():
+    """init_weights() after to_empty() sets every parameter, LayerNorms included (to_empty leaves whatever the
+    memory held): from the same generator state it gives exactly what it gives a model built on the CPU."""
+    cfg = GPTConfig.preset("tiny", vocab_size=40)
+    torch.manual_seed(0)
+    built = GPT(cfg)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    assert meta.lm_head.weight is not meta.wte.weight  # torch's to_empty unties them; init_weights ties them again
+    with torch.no_grad():
+        for p in meta.parameters():
+            p.fill_(7.0)  # what the memory might hold
+    for model in (built, meta):
+        torch.manual_seed(3)
+        model.init_weights()
+    for (name, a), b in zip(built.named_parameters(), meta.parameters()):
+        assert torch.equal(a, b), name
+    for module in meta.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            assert torch.equal(module.weight, torch.ones_like(module.weight))
+    assert meta.lm_head.weight is meta.wte.weight  # tied weights survive to_empty

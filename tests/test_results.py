@@ -1,5 +1,6 @@
 """nanodist.results: the schema, validation errors naming file and field, aggregation across machines."""
 import json
+import os
 
 import pytest
 
@@ -196,3 +197,19 @@ def test_the_repository_ships_reference_runs_that_the_chapters_draw():
     assert table[0]["measured on"] == "My CPU (8 cores)" and table[1]["measured on"] == machine(ref)
     assert table[0]["speedup"] == round(ref["metrics"]["speedup"], 3) and table[0]["missing"] is None
     assert not is_reference(mine)
+
+
+def test_a_printed_results_path_carries_no_machines_folders(tmp_path, monkeypatch):
+    """Labs print "wrote <path>": relative from the repository and from book/ (a committed notebook shows it),
+    whole for a folder elsewhere, and nothing on ranks that wrote nothing."""
+    from nanodist.results import shown
+    repo = tmp_path / "repo"
+    (repo / "book").mkdir(parents=True)
+    written = repo / "labs" / "results" / "lab03_ddp" / "run.jsonl"
+    monkeypatch.chdir(repo)
+    assert shown(written) == os.path.join("labs", "results", "lab03_ddp", "run.jsonl")
+    monkeypatch.chdir(repo / "book")
+    assert shown(written) == os.path.join("..", "labs", "results", "lab03_ddp", "run.jsonl")
+    elsewhere = tmp_path.parent / "nanodist-results-x" / "run.jsonl"
+    assert shown(elsewhere) == str(elsewhere)
+    assert shown(None) == ""
