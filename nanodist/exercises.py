@@ -11,6 +11,13 @@ In a chapter, each exercise is four cells:
 The expected value is computed in the hidden cell, so the check cell shows only what to do. An answer may also
 be a function: expect(key, cases=[(args, result), ...]) checks it on inputs the reader does not see. An
 unanswered exercise holds `...` (Ellipsis): the check then prints the hint.
+
+A predict-then-run exercise has no hidden answer: the reader writes a prediction, then runs a cell that measures
+the thing on their own machine (a changed setting, a counted event), and compare() sets one against the other:
+
+    prediction = ...                                         # the reader's cell
+    measured = count_gathers(reshard_after_forward=False)    # the run: visible, it is the experiment
+    compare(prediction, measured, exercise="5.6", hint="...")
 """
 from __future__ import annotations
 
@@ -85,3 +92,20 @@ def check(answer, expected: Any = None, hint: str = "", rel_tol: float = 1e-6, *
         print(f"Not quite{why}. Hint: {hint}")
     else:
         print(f"Not quite ({answer!r}){why}. Hint: {hint}")
+
+
+def compare(prediction, measured, *, exercise: str, hint: str, rel_tol: float = 1e-6) -> None:
+    """A predict-then-run exercise's check: the reader's `prediction` against what their own run `measured`.
+
+    Until the reader has predicted (`...`), nothing measured is shown, only what to do and the hint: the run must
+    not answer the question before it is asked. Once they have, both are printed (the measurement is theirs, just
+    made), with the verdict; floats agree within rel_tol, lists and tuples element-wise."""
+    if prediction is ...:
+        print(f"Exercise {exercise}: write your prediction first (replace the ...), then run this cell again. "
+              f"Hint: {hint}")
+        return
+    if is_right(prediction, measured, rel_tol):
+        print(f"Right! You predicted {prediction!r}; this machine measured {measured!r}.")
+    else:
+        print(f"Not quite: you predicted {prediction!r}; this machine measured {measured!r}. Hint: {hint}")
+

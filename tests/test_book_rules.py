@@ -85,3 +85,14 @@ def test_the_api_page_is_current_and_names_every_public_name():
     for name in ("Trainer", "CheckpointManager", "DDP", "FSDP", "DistAdamW", "ZeroOptimizer"):
         assert name in nanodist.__all__, name
     assert "api" in (ROOT / "book" / "_toc.yml").read_text()
+
+
+def test_chapters_link_the_first_use_of_each_glossary_term():
+    """book/tools/link_terms.py --check: chapters 3-6 link a glossary term where they first use it."""
+    out = subprocess.run([sys.executable, str(ROOT / "book" / "tools" / "link_terms.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    glossary = (ROOT / "book" / "glossary.md").read_text()
+    import link_terms  # noqa: E402  (book/tools/link_terms.py)
+    for term in link_terms.EXACT + link_terms.PHRASES:
+        assert f"\n{term}\n" in glossary, f"{term!r} is linked but not defined in book/glossary.md"

@@ -74,3 +74,64 @@ def test_every_chapter_has_exercises_that_hide_their_answers():
             given = re.search(r"^answer = (.+?)(?:  #.*)?$", src[solution[0]], re.M)
             if given:  # the hint does not spell out the solution's expression
                 assert given.group(1).replace(" ", "") not in hint.group(2).replace(" ", ""), f"{nb.name} {key}"
+
+
+def test_a_prediction_is_compared_with_the_measurement_only_once_it_is_made(capsys):
+    from nanodist.exercises import compare
+    compare(..., (5, 3), exercise="t.p", hint="count per unit")
+    compare((5, 3), [5, 3], exercise="t.p", hint="count per unit")
+    compare((4, 3), (5, 3), exercise="t.p", hint="count per unit")
+    compare(0.1 + 0.2, 0.3, exercise="t.p", hint="h")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Exercise t.p: write your prediction first (replace the ...), then run this cell again. " \
+                     "Hint: count per unit"
+    assert "5" not in out[0]  # nothing measured is shown before the reader has predicted
+    assert out[1] == "Right! You predicted (5, 3); this machine measured [5, 3]."
+    assert out[2] == "Not quite: you predicted (4, 3); this machine measured (5, 3). Hint: count per unit"
+    assert out[3].startswith("Right!")
+
+
+def test_predict_then_run_exercises_ask_first_run_then_hide_the_solution():
+    """A predict-then-run exercise: the reader's blank prediction, then the visible run that measures and compares
+    with a hint, then the collapsed solution; the run cell never holds the prediction's value."""
+    import json
+    import re
+    from pathlib import Path
+    book = Path(__file__).resolve().parents[1] / "book"
+    found = 0
+    for nb in sorted(book.glob("[0-9][0-9]_*.ipynb")):
+        cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+        src = ["".join(c["source"]) for c in cells]
+        tags = [c.get("metadata", {}).get("tags", []) for c in cells]
+        keys = sorted(set(re.findall(r"""compare\(prediction, measured, exercise=["']([\d.]+)["']""", "\n".join(src))))
+        for key in keys:
+            found += 1
+            at = [i for i, s in enumerate(src) if re.search(rf"""exercise=["']{re.escape(key)}["']""", s)]
+            run = [i for i in at if "hide-input" not in tags[i]]
+            solution = [i for i in at if "hide-input" in tags[i]]
+            assert len(run) == 1 and len(solution) == 1 and run[0] < solution[0], f"{nb.name} {key}"
+            assert re.match(r"prediction = \.\.\.", src[run[0] - 1]), f"{nb.name} {key}: no blank before the run"
+            assert "measured =" in src[run[0]] and "prediction =" not in src[run[0]], f"{nb.name} {key}"
+            hint = re.search(r"""hint=(['"])(.*?)\1\)""", src[run[0]], re.S)
+            assert hint and hint.group(2).strip(), f"{nb.name} {key}: no hint"
+            given = re.search(r"^prediction = (.+)$", src[solution[0]], re.M)
+            assert given and given.group(1).replace(" ", "") not in hint.group(2).replace(" ", ""), f"{nb.name} {key}"
+    assert found >= 2
+
+
+def test_answers_and_solutions_are_hidden_on_colab_too():
+    """The web page hides them by tag and JupyterLab by source_hidden; Colab reads neither, so every expected-answer
+    cell and every solution is also a Colab form: a `#@title` first line and cellView "form" (its code folded)."""
+    import json
+    import re
+    from pathlib import Path
+    book = Path(__file__).resolve().parents[1] / "book"
+    for nb in sorted(book.glob("[0-9][0-9]_*.ipynb")):
+        for c in json.loads(nb.read_text())["cells"]:
+            src, meta = "".join(c["source"]), c.get("metadata", {})
+            tags = meta.get("tags", [])
+            secret = ("remove-cell" in tags and re.search(r"\bexpect\(", src)) or (
+                "hide-input" in tags and re.search(r"\b(check|compare)\(", src))
+            if c["cell_type"] == "code" and secret:
+                assert src.startswith("#@title") and meta.get("cellView") == "form", f"{nb.name}: {src[:60]!r}"
+                assert meta.get("jupyter", {}).get("source_hidden") is True, f"{nb.name}: {src[:60]!r}"

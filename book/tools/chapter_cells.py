@@ -1,14 +1,20 @@
 """What the chapter generators (make_05.py, make_06.py, ...) share: cell builders and the exercise pattern.
 
 An exercise is four cells: the question (markdown), a hidden cell registering the expected value (tag remove-cell:
-never on the page), the reader's cell with a hint-only check, and a collapsed solution (tag hide-input).
+never on the page), the reader's cell with a hint-only check, and a collapsed solution (tag hide-input). A
+predict-then-run exercise (Chapter.predict) has the reader's prediction, the run that measures and compares, and
+the collapsed solution.
 """
 from pathlib import Path
 
 import nbformat as nbf
 
-HIDDEN = {"tags": ["remove-cell"], "jupyter": {"source_hidden": True}}      # the expected answer: not on the page
-SOLUTION = {"tags": ["hide-input"], "jupyter": {"source_hidden": True}}     # the solution: collapsed until opened
+# Hidden three ways: the web page (the tags), JupyterLab (source_hidden) and Colab, which reads neither: a cell whose
+# first line is a `#@title` and whose metadata says cellView "form" shows there as its title, its code folded.
+HIDDEN = {"tags": ["remove-cell"], "jupyter": {"source_hidden": True}, "cellView": "form"}  # the expected answer
+SOLUTION = {"tags": ["hide-input"], "jupyter": {"source_hidden": True}, "cellView": "form"}  # collapsed until opened
+HIDDEN_TITLE = "#@title Expected answer (hidden)"
+SOLUTION_TITLE = "#@title Solution"
 MACHINE = {"tags": ["nbval-ignore-output"]}  # depends on the machine: timing, or floating-point results of training;
 # such a cell must hold an assert of what it shows (CONTRIBUTING: "Outputs that every machine reproduces")
 
@@ -28,9 +34,18 @@ class Chapter:
 
     def exercise(self, key, question, expected, answer_cell, hint, solution):
         self.md(f"**{key[2:]}.** {question}")
-        self.code(f"expect({key!r}, {expected})", HIDDEN)
+        self.code(f"{HIDDEN_TITLE}\nexpect({key!r}, {expected})", HIDDEN)
         self.code(f"{answer_cell}\ncheck(answer, exercise={key!r},\n      hint={hint!r})")
-        self.code(f"{solution}\ncheck(answer, exercise={key!r}, hint='')", SOLUTION)
+        self.code(f"{SOLUTION_TITLE}\n{solution}\ncheck(answer, exercise={key!r}, hint='')", SOLUTION)
+
+    def predict(self, key, question, blank, run, hint, solution):
+        """A predict-then-run exercise (nanodist.exercises.compare): the question, the reader's prediction cell,
+        the run that measures the answer on the reader's machine and compares, and a collapsed solution that
+        explains the prediction and compares it too. The run cell leaves the measurement in `measured`."""
+        self.md(f"**{key[2:]}.** *Predict, then run.* {question}")
+        self.code(blank)
+        self.code(f"{run}\ncompare(prediction, measured, exercise={key!r},\n        hint={hint!r})")
+        self.code(f"{SOLUTION_TITLE}\n{solution}\ncompare(prediction, measured, exercise={key!r}, hint='')", SOLUTION)
 
     def write(self, name: str) -> Path:
         nb = nbf.v4.new_notebook(cells=self.cells)

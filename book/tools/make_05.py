@@ -10,17 +10,17 @@ md, code, exercise = chapter.md, chapter.code, chapter.exercise
 md(r"""
 # 5. FSDP: sharding the parameters too
 
-ZeRO stages 1 and 2 (Chapter 4) shard the optimizer state and the gradients, but every rank still holds
-every parameter: $2\Psi$ bytes in mixed precision, a floor that no number of GPUs lowers. A 70-billion
-parameter model needs 140 GB for its bf16 weights alone, nearly twice what an 80 GB H100 holds.
+{term}`ZeRO` stages 1 and 2 (Chapter 4) {term}`shard` the optimizer state and the gradients, but every rank still holds
+every parameter: $2\Psi$ bytes in {term}`mixed precision`, a floor that no number of GPUs lowers. A 70-billion
+parameter model needs 140 GB for its {term}`bf16` weights alone, nearly twice what an 80 GB H100 holds.
 
-**Fully sharded data parallelism** (FSDP, the ZeRO paper's stage 3 {cite}`rajbhandari2020zero`; PyTorch's implementation is described in {cite}`zhao2023fsdp`) removes the floor. Each rank keeps
+**Fully sharded data parallelism** ({term}`FSDP`, the ZeRO paper's stage 3 {cite}`rajbhandari2020zero`; PyTorch's implementation is described in {cite}`zhao2023fsdp`) removes the floor. Each rank keeps
 $1/N$ of the parameters, and a piece of the model is assembled only while it computes: gathered from
 all ranks just before its forward, thrown away just after, gathered again for its backward, and its
 gradient reduce-scattered so that each rank keeps the $1/N$ it owns. The memory of the model states
 falls to $(2 + 2 + K)\Psi / N$; the price is more communication, and this chapter measures how much.
 
-nanodist has its own FSDP, `nanodist.FSDP`, built on the same gradient-sync engine as DDP and the
+nanodist has its own FSDP, `nanodist.FSDP`, built on the same gradient-sync engine as {term}`DDP` and the
 sharded optimizers, and tested equal to torch's FSDP2 (`torch.distributed.fsdp.fully_shard`) and to
 one process, at 1 to 4 ranks. By the end of the chapter you will be able to:
 - explain FSDP's gather / compute / free cycle and read it off a timeline of a real step;
@@ -29,7 +29,7 @@ one process, at 1 to 4 ranks. By the end of the chapter you will be able to:
 - predict FSDP's communication volume (1.5 × DDP's) and check it against a run;
 - choose between DDP, ZeRO-1, ZeRO-2 and FSDP for a given model and memory budget;
 - write the same with PyTorch's FSDP2: `fully_shard`, a mixed-precision policy, meta-device
-  initialisation, explicit prefetch, CPU offload and hybrid sharding (HSDP).
+  initialisation, explicit {term}`prefetch`, CPU offload and hybrid sharding ({term}`HSDP`).
 
 **The code:** [`nanodist/fsdp.py`](@REPOSITORY_URL@/blob/main/nanodist/fsdp.py) on [`nanodist/sync.py`](@REPOSITORY_URL@/blob/main/nanodist/sync.py); **the lab:** [`labs/lab05_fsdp.py`](@REPOSITORY_URL@/blob/main/labs/lab05_fsdp.py).
 """)
@@ -48,8 +48,8 @@ import nanodist as nd
 from nanodist import plots
 from nanodist.costmodel import bytes_per_step
 from nanodist.data import CharTokenizer, TokenStream, generate_corpus
-from nanodist.exercises import check, expect
-from nanodist.fsdp import FSDP, Unit, dim0_layout, flat_layout
+from nanodist.exercises import check, compare, expect
+from nanodist.fsdp import FSDP, FSDPTimeline, Unit, dim0_layout, flat_layout
 from nanodist.memory import memory_table, zero_memory_bytes
 from nanodist.model import GPT, GPTConfig
 from nanodist.results import Table, hardware_fingerprint, provenance
@@ -124,7 +124,7 @@ loss = fsdp(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
 **How a unit is stored.** nanodist lays a unit's parameters end to end in one flat buffer, pads it to
 a multiple of $N$, and gives rank $r$ the $r$-th of $N$ equal pieces. PyTorch's first FSDP (its `FlatParameter`)
 does the same. torch's FSDP2 does something else: it cuts
-*each parameter* along its first dimension, so that every parameter is a `DTensor` with placement
+*each parameter* along its first dimension, so that every parameter is a `DTensor` with {term}`placement`
 `Shard(0)` whose rank-$r$ part is the $r$-th chunk of its rows (`torch.chunk`'s rule). Here are both
 layouts for a small unit, a `Linear(4, 5)` followed by a `Linear(4, 3)`, on 3 ranks, computed by the
 same functions `nanodist.FSDP` uses:
@@ -255,7 +255,7 @@ sees only this rank's pieces, so it returns a rank-local norm and clips each ran
 one all-reduce; the Trainer always does. In FSDP2 the parameters are DTensors, and the same torch call
 returns the global norm. `tests/test_fsdp.py` checks all three.
 
-One more trap, which the lab avoids: build the device mesh for a CPU run explicitly on the CPU
+One more trap, which the lab avoids: build the {term}`device mesh` for a CPU run explicitly on the CPU
 (`init_device_mesh("cpu", ...)`; `nd.Group.device_mesh` does). On a machine with GPUs, `fully_shard`
 with a gloo group and no mesh would put the parameters on a GPU.
 
@@ -351,7 +351,7 @@ md(r"""
 {glue:md}`prov_lab`
 
 Both curves climb through forward as activations are saved and fall through backward as they are
-used. The picture makes the point of the rest of this chapter: at this micro-batch (8 sequences of 64
+used. The picture makes the point of the rest of this chapter: at this {term}`micro-batch` (8 sequences of 64
 tokens), **activations dominate**. Above the orange band are gradients and temporaries. DDP's
 gradients live in its buckets, allocated once and kept from step to step, so they count as held and
 sit below this curve's zero; FSDP's gradient shards are made by each step's reduce-scatters and stay
@@ -388,12 +388,12 @@ launches give 1 and 4 ranks:
 """)
 
 code(r"""
-stages = {2: lab.results}
-for n in (1, 4):
-    stages[n] = nd.launch("lab05_fsdp", nproc=n, echo=False,
-                          args=["--memory-only", "--steps", "1", "--no-progress"]).results
+four = nd.launch("lab05_fsdp", nproc=4, echo=False,  # 1 and 4 ranks: the first N ranks of one launch of 4
+                 args=["--memory-only", "--worlds", "1", "4", "--steps", "1", "--no-progress"])
+stages = {n: [s for s in four.results["metrics"]["memory"] if s["world_size"] == n] for n in (1, 4)}
+stages[2] = lab.results["metrics"]["memory"]
 runs = [{"label": s["label"], "stage": s["stage"], "world_size": n, "rank": r, "num_params": s["num_params"], **rep}
-        for n in (1, 2, 4) for s in stages[n]["metrics"]["memory"] for r, rep in enumerate(s["memory"])]
+        for n in (1, 2, 4) for s in stages[n] for r, rep in enumerate(s["memory"])]
 table = memory_table(runs, param_bytes=4, grad_bytes=4, optim_bytes_per_param=8)
 for row in table:  # every rank of every run: exact, but for AdamW's step counters
     assert row["params_measured"] == row["params_formula"] and row["grads_measured"] == row["grads_formula"]
@@ -518,7 +518,7 @@ At one sequence per micro-step, DDP and ZeRO-1/2 need more than 10 MiB per rank;
 (nanodist's ZeRO-1 peaks higher than DDP: it keeps autograd's gradients and its bucket's all-reduced
 copy at the same time, where DDP's gradients *are* views of its buckets.) At 8 sequences FSDP's peak
 was {glue:text}`peak8_fsdp:.1f` MiB against DDP's {glue:text}`peak8_ddp:.1f` MiB: activations were most
-of it, and FSDP cannot shrink activations. Activation checkpointing can.
+of it, and FSDP cannot shrink activations. {term}`Activation checkpointing <activation checkpointing>` can.
 
 ## Activation checkpointing
 
@@ -571,21 +571,24 @@ tok = CharTokenizer(text)
 tokens = torch.tensor(tok.encode(text))
 
 
-def train(param_dtype, steps=30):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=32))
-    fsdp = FSDP(model, units=list(model.blocks), param_dtype=param_dtype)   # a world of one: no process group
-    opt = torch.optim.AdamW(fsdp.configure_param_groups(0.1), lr=3e-3)
+def curve(model, opt, steps):  # train `steps` steps, on the same batches every time: the losses
     stream = TokenStream(tokens, batch_size=8, block_size=32, rank=0, world_size=1, seed=0)
     losses = []
     for _ in range(steps):
         x, y = next(stream)
-        loss = fsdp(x, y)[1]
+        loss = model(x, y)[1]
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return fsdp, losses
+    return losses
+
+
+def train(param_dtype, steps=30):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=32))
+    fsdp = FSDP(model, units=list(model.blocks), param_dtype=param_dtype)   # a world of one: no process group
+    return fsdp, curve(fsdp, torch.optim.AdamW(fsdp.configure_param_groups(0.1), lr=3e-3), steps)
 
 
 fp32, losses32 = train(None)
@@ -662,22 +665,8 @@ for block in theirs.blocks:                         # FSDP2: fully_shard each Bl
 fully_shard(theirs, mesh=mesh)                      # ... then the whole model: the root takes what is left
 assert isinstance(theirs, FSDPModule) and isinstance(theirs, GPT)  # the same object, its class swapped
 
-
-def curve(model, steps=8):
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    stream = TokenStream(tokens, batch_size=8, block_size=32, rank=0, world_size=1, seed=0)
-    losses = []
-    for _ in range(steps):
-        x, y = next(stream)
-        loss = model(x, y)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-fsdp2_losses, nanodist_losses = curve(theirs), curve(ours)
+fsdp2_losses = curve(theirs, torch.optim.AdamW(theirs.parameters(), lr=3e-3), steps=8)  # built after wrapping
+nanodist_losses = curve(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3), steps=8)
 worst = max(abs(a - b) / b for a, b in zip(fsdp2_losses, nanodist_losses))
 # one process, fp32: the same arithmetic but for the order of a few sums; 1e-5 relative over 8 AdamW steps
 assert worst < 1e-5, worst
@@ -695,7 +684,7 @@ parameters: each rank's AdamW then keeps state for its own shards only, which is
 nothing to configure. Everything else in a training step is the plain PyTorch you already write.
 
 Four more pieces cover what this chapter did by hand. A model too large for one device is built on the
-**meta device** (shapes without memory), sharded, and only then materialised, so that each rank
+**{term}`meta device`** (shapes without memory), sharded, and only then materialised, so that each rank
 allocates its own shards and never the whole model. **Mixed precision** is a policy per unit. And
 **prefetch** can be stated explicitly: FSDP2 prefetches the next unit's gather by itself in the order of
 the first forward; you can name the order, as here, for models whose order varies.
@@ -736,7 +725,7 @@ matter at scale, and both run here too:
   for GPU memory (on a CPU-only machine, as here, there is nothing to offload to: the code runs, and
   costs nothing).
 - **HSDP**, hybrid sharding: on a 2-D mesh, `fully_shard` shards over one dimension and replicates over
-  the other, for instance sharding within each node's 8 GPUs (fast NVLink) and replicating across
+  the other, for instance sharding within each node's 8 GPUs (fast {term}`NVLink`) and replicating across
   nodes, where the slower network then carries one all-reduce of gradient shards instead of every
   gather. The mesh below is 1 × 1 on this machine; on 4 nodes of 8 GPUs it would be
   `init_device_mesh("cuda", (4, 8), mesh_dim_names=("replicate", "shard"))`. The same 2-D meshes carry
@@ -789,7 +778,7 @@ Read it from the top, taking the first method whose memory fits, with one except
 than ZeRO-1 and, done as ZeRO does it, sends no more, so ZeRO-1 is the choice only where its extra
 gradient memory buys something. Three cases do: code that reads every parameter's averaged gradient
 after the step (`DistAdamW(zero_stage=1)` keeps them, at half again DDP's traffic, as the table shows);
-**gradient accumulation**, where ZeRO-2 must reduce-scatter after every micro-batch or keep a full-size
+**{term}`gradient accumulation`**, where ZeRO-2 must reduce-scatter after every micro-batch or keep a full-size
 accumulation buffer, which gives back its saving; and **pipeline parallelism**, whose many micro-batches
 per step raise the same problem (DeepSpeed refuses ZeRO-2 and 3 with its pipeline engine for this
 reason). Sharding the parameters is the step that costs communication: FSDP sends 1.5 × DDP's bytes,
@@ -871,8 +860,32 @@ exercise(
     "turned `reshard_after_forward` off (each block stays gathered from its forward until its backward). How many "
     "of the lab GPT's blocks are gathered at the end of forward?",
     "4",
-    "answer = ...   # the lab GPT's 'small' preset has 4 blocks",
+    "answer = ...   # a number of blocks (the lab runs the 'small' preset: count its blocks in the timeline above)",
     "A block is freed when it is no longer needed; without resharding after forward, when is that?",
     "answer = 4   # every block stays gathered until its backward: the whole model, as in ZeRO-2")
+
+chapter.predict(
+    "5.5",
+    "nanodist's FSDP reports every all-gather it starts to an observer (`FSDPTimeline`, as in the lab's timeline). "
+    "Take the `tiny` GPT: 2 blocks, each a unit, and the root. How many all-gathers does one training step "
+    "(forward and backward) start with `reshard_after_forward=True`, the default, and how many with `False`? "
+    "Write `prediction = (with_true, with_false)`, then run the cell after it, which counts them in a real step in "
+    "this process.",
+    "prediction = ...   # (all-gathers with reshard_after_forward=True, with False)",
+    "def gathers(reshard_after_forward):\n"
+    "    torch.manual_seed(0)\n"
+    "    model = GPT(GPTConfig.preset(\"tiny\", vocab_size=tok.vocab_size, block_size=32))\n"
+    "    timeline = FSDPTimeline()\n"
+    "    fsdp = FSDP(model, units=list(model.blocks), reshard_after_forward=reshard_after_forward, observer=timeline)\n"
+    "    x, y = next(TokenStream(tokens, batch_size=8, block_size=32, rank=0, world_size=1, seed=0))\n"
+    "    fsdp(x, y)[1].backward()\n"
+    "    return sum(e[\"event\"] == \"gather_started\" for e in timeline.events)\n\n\n"
+    "measured = (gathers(True), gathers(False))",
+    "Go unit by unit: which ones does forward need, which ones does backward need again, and which ones were "
+    "never freed in between?",
+    "# Forward gathers every unit; backward needs each block again unless it was kept: 2 blocks x 2 + the root,\n"
+    "# which stays gathered from its forward to its backward. Kept (False): each unit once.\n"
+    "prediction = (2 * 2 + 1, 2 + 1)",
+)
 
 chapter.write("05_fsdp.ipynb")

@@ -20,7 +20,7 @@ taken, bit for bit.
 That is harder than `torch.save(model.state_dict())`. By the end of the chapter you will be able to:
 - list everything a training run's state holds, and show what goes wrong when one piece is forgotten;
 - save it **atomically** (complete or absent, never half), **safely** (a file cannot run code), in one
-  **full** file or **sharded** across ranks with `torch.distributed.checkpoint` (DCP);
+  **full** file or **{term}`sharded <shard>`** across ranks with `torch.distributed.checkpoint` ({term}`DCP`);
 - resume a run killed by `kill -9` under `torchrun --max-restarts`, and prove it bit-exact by hashes;
 - resume a sharded checkpoint at another number of ranks, reading every sample exactly once;
 - choose how often to save from the measured save time and a failure rate (the Young/Daly interval);
@@ -52,7 +52,7 @@ from nanodist.check import check_sampler_exactly_once
 from nanodist.checkpoint import CheckpointError, CheckpointManager, fingerprint, read_meta, verify
 from nanodist.costmodel import checkpoint_overhead, young_daly_interval
 from nanodist.data import CharTokenizer, TokenStream, generate_corpus
-from nanodist.exercises import check, expect
+from nanodist.exercises import check, compare, expect
 from nanodist.model import GPT, GPTConfig
 from nanodist.results import Table, provenance
 from nanodist.train import TrainConfig, Trainer
@@ -229,8 +229,8 @@ file. `load()` reads it first, to refuse a checkpoint that does not fit before t
 **Sharded**: every rank writes its own part with `torch.distributed.checkpoint` (DCP), and one
 `.metadata` file says where each piece of each tensor lives. Nothing is gathered, so no rank needs
 memory for the whole model, and each rank writes its own files (in parallel, where the file system takes
-many writers, as the parallel file systems of clusters do). Under FSDP each parameter and each moment is
-saved as a `DTensor` with placement `Shard(0)` of its *global* shape. The flat padded buffers of
+many writers, as the parallel file systems of clusters do). Under {term}`FSDP` each parameter and each moment is
+saved as a `DTensor` with {term}`placement` `Shard(0)` of its *global* shape. The flat padded buffers of
 Chapter 5 are a runtime layout and never reach the disk. This is what lets DCP load the same files at
 another world size: it reads, for each rank, whichever rows that rank now owns.
 
@@ -347,7 +347,7 @@ first attempt only. Here is what happens to every rank:
 3. the new ranks meet again (rendezvous) and each one loads `latest`, here the step-4 checkpoint;
 4. they train steps 4 to 7 again: the work lost is the 2 steps since the checkpoint, plus the restart.
 
-Three set-ups: nanodist DDP with AdamW, DistMuon with DistAdamW (ZeRO, Chapter 4), and nanodist FSDP
+Three set-ups: nanodist {term}`DDP` with AdamW, DistMuon with DistAdamW ({term}`ZeRO`, Chapter 4), and nanodist FSDP
 (Chapter 5), saving sharded checkpoints but for ZeRO, which saves full ones. Each runs once uninterrupted and
 once killed:
 """)
@@ -435,8 +435,8 @@ the message size, and another choice adds the same numbers in another order.
 
 The sharded checkpoint of the uninterrupted FSDP run was written by 2 ranks. Resume it on 3, train and
 save, then resume that on 1. The **global batch stays the same**: Chapter 3's point that the total batch
-is a property of the optimisation, not of the cluster, holds across a reshard too. Every run here asks
-for 192 tokens per step (`--total-batch 192`, 12 windows of 16 tokens) with micro-batches of 2 windows,
+is a property of the optimisation, not of the cluster, holds across a {term}`reshard` too. Every run here asks
+for 192 tokens per step (`--total-batch 192`, 12 windows of 16 tokens) with {term}`micro-batches <micro-batch>` of 2 windows,
 so the Trainer accumulates gradients over 3 micro-steps at 2 ranks, 2 at 3 ranks and 6 at 1 rank (that
 is why 12 windows: it divides by 2 × 2, 3 × 2 and 1 × 2). A reshard that kept the micro-batch and let the
 batch follow the number of ranks would change the learning problem at the restart.
@@ -776,14 +776,19 @@ exercise(
     "def next_positions(rank):\n    return [40 + rank + 3 * i for i in range(3)]\n\nanswer = next_positions",
 )
 
-exercise(
+chapter.predict(
     "6.4",
-    "A rank that joins at a larger world size has no saved generators. How many ranks of the 3-rank run above "
-    "had to seed theirs afresh?",
-    "sum(1 for line in at3.output.splitlines() if 'has no saved random state' in line)",
-    "answer = ...",
-    "The checkpoint holds the generators of the ranks that saved it.",
-    "answer = 3 - 2",
+    "The chapter's first run saved every 3 steps. Train the same set-up for 10 steps with "
+    "`CheckpointManager(..., keep=2)`: it saves every 3 steps and at the end of the run, and keeps the newest 2. "
+    "Which steps' checkpoints are left in the folder? Write `prediction = [...]` (step numbers, oldest first), "
+    "then run the cell after it.",
+    "prediction = ...   # [step, step]",
+    "kept = make_trainer(CheckpointManager(work / \"exercise-6.4\", format=\"full\", keep=2), steps=10)\n"
+    "kept.fit()\n"
+    "measured = [int(p.name.removeprefix(\"step_\")) for p in kept.checkpoints.complete()]",
+    "List every save the run makes, the last one included; then keep only the newest two.",
+    "# saves after steps 3, 6 and 9, and at the end (step 10); keep=2 prunes all but the newest two\n"
+    "prediction = [9, 10]",
 )
 
 md(r"""
@@ -802,7 +807,7 @@ md(r"""
   with deterministic kernels and the same NCCL configuration).
 - Sharded checkpoints store per-parameter `Shard(0)` tensors of global shape and a global data cursor, so
   they resume at any world size, every sample still read once; keep the global batch fixed across a
-  reshard (gradient accumulation makes up the difference).
+  reshard ({term}`gradient accumulation` makes up the difference).
 - Save every $\sqrt{2CM}$ seconds; asynchronous saves make $C$ small.
 - With DCP directly: `get_state_dict` / `set_state_dict` in a `Stateful`, `dcp.save` / `async_save` /
   `load`, and `dcp_to_torch_save` for one plain file; the atomic commit, checksums and the rest of the
