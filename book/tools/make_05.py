@@ -606,7 +606,7 @@ assert unit.full_bytes * 2 == fp32.units[0].full_bytes
 code(r"""
 # bf16 losses depend on the CPU (with AMX or AVX-512 BF16, oneDNN takes other kernels): shown, checked here.
 # The bound: bf16 keeps 8 significant bits (a relative rounding of up to 2^-8 = 0.4 % per value); after 30 steps the
-# two curves were 0.5 % and 1.6 % apart at the last step on the two CPUs measured; 5 % leaves a margin while a
+# two curves were 0.5 % to 1.9 % apart at the last step on the CPUs measured; 5 % leaves a margin while a
 # broken cast (an fp32 shard read as bf16 bits, a gradient left in bf16) is far outside it.
 assert abs(losses16[-1] - losses32[-1]) < 0.05 * losses32[-1] and losses16[-1] < losses16[0] - 0.5
 glue("bf16_gap_pct", 100 * abs(losses16[-1] - losses32[-1]) / losses32[-1], display=False)
@@ -621,7 +621,7 @@ md(r"""
 
 Both curves fall together, but they do not stay within one rounding of each other: after
 {glue:text}`bf16_steps` steps the bf16-compute loss is {glue:text}`bf16_gap_pct:.1f` % from the fp32 one on this
-machine. bf16 keeps 8 bits of mantissa, so every value of the forward and backward is rounded by up to
+machine. bf16 keeps 8 significant bits (7 stored), so every value of the forward and backward is rounded by up to
 0.4 %; the rounded gradients give slightly different updates, and over many steps the two runs follow
 slightly different trajectories, as two fp32 runs with different seeds would, only less so. The test
 for a broken cast is therefore a bound (5 %, in the cell above) far outside this drift and far inside
@@ -676,7 +676,7 @@ Table({"step": i, "FSDP2 loss": round(a, 4), "nanodist FSDP loss": round(b, 4)}
 
 md(r"""
 `fully_shard` turns each module it is given into a unit: it replaces the module's parameters by
-`DTensor`s sharded on dim 0 over the mesh (Chapter 5's `Shard(0)` layout), and registers hooks that
+`DTensor`s sharded on dim 0 over the mesh (the `Shard(0)` layout above), and registers hooks that
 all-gather them before the module's forward and backward and free them after, and reduce-scatter the
 gradients. It is called bottom-up, blocks first and the root last, because each call takes the
 parameters not already in a unit below it. The optimizer is built *after* wrapping, on the `DTensor`
@@ -686,8 +686,10 @@ nothing to configure. Everything else in a training step is the plain PyTorch yo
 Four more pieces cover what this chapter did by hand. A model too large for one device is built on the
 **{term}`meta device`** (shapes without memory), sharded, and only then materialised, so that each rank
 allocates its own shards and never the whole model. **Mixed precision** is a policy per unit. And
-**prefetch** can be stated explicitly: FSDP2 prefetches the next unit's gather by itself in the order of
-the first forward; you can name the order, as here, for models whose order varies.
+**prefetch** can be stated explicitly. FSDP2 overlaps the next unit's gather by itself: in forward through
+separate CUDA streams while the CPU runs ahead issuing work, in backward by prefetching in the reverse of
+the forward order. Naming the modules, as here, issues each gather earlier from the CPU, or prefetches more
+than one unit ahead.
 """)
 
 code(r"""
@@ -740,7 +742,7 @@ print("offloaded: gradient shards on", next(offloaded.parameters()).grad.device)
 
 mesh2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
 hybrid = GPT(cfg)
-fully_shard(hybrid, mesh=mesh2d)                # shard over "shard", replicate over "replicate"
+fully_shard(hybrid, mesh=mesh2d)                # by position: dim 0 replicates, dim 1 shards (names are labels)
 print("HSDP placements:", next(hybrid.parameters()).placements)
 dist.destroy_process_group()
 """)
@@ -787,7 +789,8 @@ which shows on a real cluster where the network is slow (across nodes).
 Whether that traffic costs time depends on whether prefetch hides it behind compute. Both grow with the
 parameter count $\Psi$: per step a rank computes about $6\Psi$ FLOPs for each of the $T$ tokens it
 processes, about $6\Psi T / F$ seconds at $F$ FLOP/s, while it sends $3\frac{N-1}{N}$ of the model's bytes,
-about $6\Psi / B$ seconds in bf16 over a link of $B$ bytes/s, whatever $T$ is. The ratio of the two is
+about $6\Psi / B$ seconds in bf16 over a link of $B$ bytes/s, whatever $T$ is (with fp32 reductions,
+$8\Psi / B$: the threshold below rises by a third). The ratio of the two is
 $T B / F$: the gathers hide once each rank processes more than about $F / B$ tokens per step. That is the
 criterion the Ultra-Scale Playbook and the JAX scaling book use, and why large models train with FSDP at
 a large enough batch per GPU, often combined with tensor and pipeline parallelism (see the [roadmap](roadmap.md)).

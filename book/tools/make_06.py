@@ -252,9 +252,9 @@ replaced, by another rename. A resumed run that saves a step again swaps the new
 one in a single system call (`_swap_in`: Linux's `renameat2` with `RENAME_EXCHANGE`), so the step is
 never missing. On a local POSIX file system (ext4, XFS, ...) a crash at any point therefore leaves either
 the old state or the new one. The promise is only as good as the file system's renames: a network file
-system (NFS, a bucket mounted as files) may not make them atomic or durable, and where the system cannot
-exchange two directories (macOS), a re-saved step is moved aside first, so for that moment `find()` falls
-back to the previous step. Here a save dies after
+system (NFS, a bucket mounted as files) may not make them atomic or durable, and off Linux, where nanodist
+has no call that exchanges two directories (macOS has one, `renamex_np`, that nanodist does not use yet), a
+re-saved step is moved aside first, so for that moment `find()` falls back to the previous step. Here a save dies after
 DCP has written its files and before the commit; the test suite does the same with a real `SIGKILL` in
 both formats. (`LOCK` in the listing is the run's claim on the folder, taken at its first save: a second
 run pointed at the same folder is refused, naming the holder, instead of resuming and pruning the first
@@ -427,7 +427,8 @@ the same run on another CPU or GPU gives other hashes, because other kernels rou
 killed run equals its uninterrupted twin on each machine, not across machines. And on GPUs it needs
 **deterministic kernels**: some CUDA kernels add in an order that varies from run to run (atomic adds in
 scatter and index operations, some cuBLAS and cuDNN algorithms), so a bit-exact resume there needs
-`torch.use_deterministic_algorithms(True)` (with `CUBLAS_WORKSPACE_CONFIG=:4096:8`) and the same NCCL
+`torch.use_deterministic_algorithms(True)` (with `CUBLAS_WORKSPACE_CONFIG=:4096:8` and
+`torch.backends.cudnn.benchmark = False`, or cuDNN's autotuner may pick another algorithm after the restart) and the same NCCL
 configuration after the restart: NCCL picks its algorithm, protocol and channels from the topology and
 the message size, and another choice adds the same numbers in another order.
 
@@ -531,6 +532,11 @@ glue("ratio_async", b["ratio_async_blocked_vs_sync_sharded"], display=False)
 glue("ratio_async_full", b["ratio_async_blocked_vs_sync_full"], display=False)
 loads = [o["load_s"] for o in b["kinds"].values()]
 glue("load_spread", max(loads) / min(loads), display=False)
+r_full = b["ratio_async_blocked_vs_sync_full"]
+glue("async_full_story", Markdown(  # the gather dominates a small full save, so the ratio sits near 1, either side
+    "so it saves a part of the time" if r_full < 0.8 else "so it saves little" if r_full <= 1.0 else
+    "so it saves little, and here it even blocked longer than the whole synchronous save did: the two differ by "
+    "less than the noise of a few CPU cores"), display=False)
 glue("sharded_story", Markdown(  # which save is faster depends on the machine: the sentence says what this one did
     "slower: on one machine both go to the same disk, so writing in parallel buys little, while DCP does work "
     "that a full save does not, planning the save collectively (each rank's plan is gathered on one rank, made "
@@ -554,7 +560,7 @@ An asynchronous sharded save blocked training for {glue:text}`ratio_async:.2f` �
 copies each rank's shards in memory. An asynchronous *full* save blocked for {glue:text}`ratio_async_full:.2f` ×
 a synchronous full save: a full checkpoint must first gather the whole state on rank 0, through
 collectives of the training's own process group, and that happens while training waits; only the write
-goes to the background. Loads are timed in turns as well; the slowest kind took {glue:text}`load_spread:.1f` × the
+goes to the background, {glue:md}`async_full_story`. Loads are timed in turns as well; the slowest kind took {glue:text}`load_spread:.1f` × the
 fastest. The two sharded checkpoints are the same kind of files (written by another thread, that is
 all), and so are the two full ones. The sizes on disk are the same: the same tensors, in one file or in
 one per rank. Small models on a few CPU cores make noisy ratios; `torchrun --nproc_per_node=2 labs/lab06_checkpoint.py --bench
@@ -644,7 +650,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # under torchrun: ("nccl") alone
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # torchrun, GPUs: ("cpu:gloo,cuda:nccl")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 
 
@@ -679,7 +685,7 @@ for _ in range(3):
     opt.zero_grad()
 
 dcp.save({"app": AppState(model, opt)}, checkpoint_id=work / "dcp" / "step_3")     # every rank writes its shards
-pending = dcp.async_save({"app": AppState(model, opt)}, checkpoint_id=work / "dcp" / "step_3_async")
+pending = dcp.async_save({"app": AppState(model, opt)}, checkpoint_id=work / "dcp" / "step_3_async")  # needs a CPU backend
 pending.result()                 # a training loop would go on with its next steps and wait only before the next save
 
 fresh, fresh_opt = build()       # a new process after a crash: build the same model, then load into it
@@ -710,8 +716,11 @@ dist.destroy_process_group()
 
 md(r"""
 What DCP does not do is the rest of this chapter. It writes `.metadata` last, so a save killed midway
-leaves a folder that does not load; but which folder is the newest complete one, and whether a file
-changed since it was written, are left to you. `CheckpointManager` adds the atomic commit and `latest`,
+into a fresh folder leaves a folder that does not load (re-saving into an existing folder can leave the
+old `.metadata` beside half-rewritten data: one more reason for a temporary folder and a rename). Which
+folder is the newest complete one, and whether a file changed since it was written, are left to you.
+Note the process group of the cell above on GPUs: `dcp.async_save` writes from the host, so it needs a
+CPU backend beside nccl, `init_process_group("cpu:gloo,cuda:nccl")`. `CheckpointManager` adds the atomic commit and `latest`,
 the checksums, and the checks that a checkpoint fits the model before anything is loaded. And the
 training state is whatever you put in your `Stateful`: the Trainer adds the data cursor, the schedule
 and every rank's random generators, without which the resume would not be exact.
