@@ -17,16 +17,25 @@ What it guarantees:
 - on timeout, KeyboardInterrupt or any error, the whole process tree (torchrun agents and every
   worker, which torchrun starts in sessions of their own) is killed: no orphans;
 - if the process running launch dies by any signal (a kernel restart, kill, an out-of-memory kill), the
-  agents and workers die within seconds too: each agent runs under nanodist.reaper (Linux);
+  agents and workers die within seconds too: the agents run under nanodist's agent server (or, with
+  NANODIST_WARM_AGENT=0, each under nanodist.reaper), which ends them all (Linux);
+- a warm agent: the first launch starts a server that imports torch once (nanodist/agent_server.py) and
+  forks every later launch's torchrun agent, which then starts its workers without first spending about
+  1.5 s importing torch itself (Linux; elsewhere, or with NANODIST_WARM_AGENT=0, `python -m
+  torch.distributed.run` runs for each launch);
 - nnodes > 1 starts that many torchrun agents on this host that meet through a c10d rendezvous:
   multi-node training, on one machine.
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
+import select
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -193,12 +202,13 @@ def _kill_tree(procs: list[psutil.Process], grace_s: float = 3.0) -> int:
 # ----------------------------------------------------------------------------- launch
 
 def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: str, args: list[str],
-                    restarts: int = 0) -> list[list]:
-    # Each agent runs under nanodist.reaper: if this process dies, however it dies, the reaper ends the agent,
-    # its workers and whatever they started (Linux; elsewhere the agent runs directly).
+                    restarts: int = 0, reaped: bool = True) -> list[list]:
+    # Each cold agent runs under nanodist.reaper: if this process dies, however it dies, the reaper ends the
+    # agent, its workers and whatever they started (Linux; elsewhere the agent runs directly). A warm agent's
+    # server does the same for all of them.
     from . import reaper as _reaper
     # run as a file, not `-m nanodist.reaper`: that would import the package, and with it torch (2 s a launch)
-    reaper = [sys.executable, _reaper.__file__, "--"] if _reaper.available() else []
+    reaper = [sys.executable, _reaper.__file__, "--"] if reaped and _reaper.available() else []
     base = reaper + [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                      f"--max-restarts={restarts}", "--tee=3"]
     tail = [str(script), *map(str, args)]
@@ -207,6 +217,121 @@ def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: st
     return [base + [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                     f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={int(i == 0)}", "--local-addr=127.0.0.1"] + tail
             for i in range(nnodes)]
+
+
+# ----------------------------------------------------------------------------- warm agents
+
+class _WarmAgent:
+    """One launch's agent, forked by the agent server: what _launch_once needs of a subprocess.Popen."""
+
+    def __init__(self, pid: int, reply: socket.socket, stdout):
+        self.pid, self.stdout, self.returncode, self._reply = pid, stdout, None, reply
+
+    def _read(self, timeout: float | None) -> None:
+        if self.returncode is not None:
+            return
+        ready, _, _ = select.select([self._reply], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout)
+        message = self._reply.recv(4096)
+        # no message: the server itself died, and the agent with it (its death signal)
+        self.returncode = json.loads(message)["code"] if message else -signal.SIGKILL
+        self._reply.close()
+
+    def poll(self) -> int | None:
+        try:
+            self._read(0)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read(timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class _AgentServer:
+    """This process's agent server (nanodist/agent_server.py): started at the first launch, it has imported torch
+    once and forks each launch's torchrun agent, saving the agent's own import of torch (about 1.5 s a launch).
+    Linux only; NANODIST_WARM_AGENT=0 turns it off (each launch then runs `python -m torch.distributed.run`)."""
+
+    _lock = threading.Lock()
+    _owner_pid: int | None = None
+    _proc: subprocess.Popen | None = None
+    _control: socket.socket | None = None
+    _starter: queue.Queue | None = None
+
+    @classmethod
+    def enabled(cls) -> bool:
+        from . import reaper
+        return reaper.available() and os.environ.get("NANODIST_WARM_AGENT", "1") != "0"
+
+    @classmethod
+    def _start(cls) -> None:
+        # The server's death signal fires when the *thread* that started it ends: start it from a thread that
+        # lives as long as this process, never from the caller's (a notebook's or a test's short-lived thread).
+        if cls._starter is None or cls._owner_pid != os.getpid():
+            cls._starter = queue.Queue()
+            threading.Thread(target=cls._starter_loop, args=(cls._starter,), daemon=True,
+                             name="nanodist-agent-server").start()
+        done: queue.Queue = queue.Queue()
+        cls._starter.put(done)
+        proc, control = done.get()
+        cls._proc, cls._control, cls._owner_pid = proc, control, os.getpid()
+
+    @staticmethod
+    def _starter_loop(requests: queue.Queue) -> None:
+        server = Path(__file__).with_name("agent_server.py")  # run as a file: importing it would import torch
+        while True:
+            done = requests.get()
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            proc = subprocess.Popen([sys.executable, str(server), str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()], start_new_session=True,
+                                    stdout=subprocess.DEVNULL, stderr=None)
+            theirs.close()
+            done.put((proc, ours))
+
+    @classmethod
+    def spawn(cls, cmd: list[str], env: dict) -> _WarmAgent:
+        """Fork an agent running `torchrun` with cmd's arguments (cmd as for a cold launch)."""
+        argv = cmd[cmd.index("torch.distributed.run") + 1:]
+        out_r, out_w = os.pipe()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        message = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+        try:
+            with cls._lock:
+                for attempt in range(2):
+                    if cls._proc is None or cls._owner_pid != os.getpid() or cls._proc.poll() is not None:
+                        cls._start()
+                    try:
+                        socket.send_fds(cls._control, [message], [theirs.fileno(), out_w])
+                        break
+                    except OSError:  # the server died since the last launch: start another
+                        cls._proc = None
+                        if attempt:
+                            raise
+        except BaseException:
+            os.close(out_r)
+            ours.close()
+            raise
+        finally:
+            os.close(out_w)
+            theirs.close()
+        stdout = os.fdopen(out_r, "r", errors="replace")
+        ready, _, _ = select.select([ours], [], [], 120)  # the first launch waits for the server's import
+        message = ours.recv(4096) if ready else b""
+        if not message:
+            stdout.close()
+            ours.close()
+            raise RuntimeError("launch: nanodist's agent server did not start an agent; set NANODIST_WARM_AGENT=0 "
+                               "to launch through `python -m torch.distributed.run` instead")
+        return _WarmAgent(json.loads(message)["pid"], ours, stdout)
 
 
 def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 600, nnodes: int = 1,
@@ -265,7 +390,8 @@ def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: i
         "NANODIST_RESULTS_DIR": str(results_dir()),
     })
     child_env.update({k: str(v) for k, v in (env or {}).items()})
-    commands = _agent_commands(script, nproc, nnodes, port, run_id, args, restarts)
+    warm = _AgentServer.enabled()
+    commands = _agent_commands(script, nproc, nnodes, port, run_id, args, restarts, reaped=not warm)
 
     lines: queue.Queue = queue.Queue()
     agents: list[subprocess.Popen] = []
@@ -290,8 +416,11 @@ def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: i
 
     try:
         for node, cmd in enumerate(commands):
-            proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, errors="replace", env=child_env, start_new_session=True)
+            if warm:
+                proc = _AgentServer.spawn([str(c) for c in cmd], child_env)
+            else:
+                proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, errors="replace", env=child_env, start_new_session=True)
             agents.append(proc)
             threading.Thread(target=pump, args=(proc, node), daemon=True).start()
         open_streams, last_track = len(agents), 0.0

@@ -218,9 +218,9 @@ def test_killing_the_launching_process_leaves_no_process_behind(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-c", driver], env={**os.environ, "NANODIST_RESULTS_DIR": str(tmp_path)})
     try:
         pids = wait_for_pid_files(pid_dir, 2)
-        agents = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-                  if "torch.distributed.run" in " ".join(p.cmdline())]
-        assert agents, "the agent was running"
+        # everything the launch started: the agent server, the agent (the workers' parent), and the workers
+        agents = [p.pid for p in psutil.Process(proc.pid).children(recursive=True) if p.pid not in pids]
+        assert {psutil.Process(p).ppid() for p in pids} & set(agents), "the agent was running"
         proc.send_signal(sig)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 15
@@ -230,3 +230,35 @@ def test_killing_the_launching_process_leaves_no_process_behind(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
     assert [p for p in pids + agents if alive(p)] == [], "workers, their children and the agent are all gone"
+
+
+def test_the_warm_agent_server_outlives_the_thread_that_started_it_and_is_replaced_when_it_dies(results_dir):
+    """Launches fork their torchrun agent from one server per process (nanodist/agent_server.py): started from a
+    thread that ends, it stays (its death signal follows the thread that started it); killed, the next launch
+    starts another."""
+    from nanodist.launch import _AgentServer
+    if not _AgentServer.enabled():
+        pytest.skip("the warm agent needs Linux (and NANODIST_WARM_AGENT unset)")
+    first = []
+    t = threading.Thread(target=lambda: first.append(nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120,
+                                                               echo=False)))
+    t.start()
+    t.join()
+    server = _AgentServer._proc.pid
+    time.sleep(0.5)
+    assert alive(server), "the server survived the end of the thread that started it"
+    again = nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120, echo=False)
+    assert _AgentServer._proc.pid == server  # the same warm server
+    os.kill(server, signal.SIGKILL)
+    _AgentServer._proc.wait(timeout=10)
+    third = nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120, echo=False)
+    assert _AgentServer._proc.pid != server
+    assert [r.results["metrics"]["rank_sum"] for r in first + [again, third]] == [1.0, 1.0, 1.0]
+
+
+def test_with_the_warm_agent_off_each_launch_runs_torchrun_under_the_reaper(results_dir, monkeypatch):
+    monkeypatch.setenv("NANODIST_WARM_AGENT", "0")
+    run = nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120, echo=False)
+    assert run.results["metrics"]["rank_sum"] == 1.0
+    assert "torch.distributed.run" in run.command[0]
+    assert (nd.reaper.__file__ in run.command[0]) == nd.reaper.available()
