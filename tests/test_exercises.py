@@ -92,8 +92,9 @@ def test_a_prediction_is_compared_with_the_measurement_only_once_it_is_made(caps
 
 
 def test_predict_then_run_exercises_ask_first_run_then_hide_the_solution():
-    """A predict-then-run exercise: the reader's blank prediction, then the visible run that measures and compares
-    with a hint, then the collapsed solution; the run cell never holds the prediction's value."""
+    """Every chapter has at least two predict-then-run exercises: the reader's blank prediction, then the visible
+    run that measures and compares with a hint, then the collapsed solution; the run cell never holds the
+    prediction's value, and its committed output (run before any prediction) shows only what to do."""
     import json
     import re
     from pathlib import Path
@@ -104,6 +105,7 @@ def test_predict_then_run_exercises_ask_first_run_then_hide_the_solution():
         src = ["".join(c["source"]) for c in cells]
         tags = [c.get("metadata", {}).get("tags", []) for c in cells]
         keys = sorted(set(re.findall(r"""compare\(prediction, measured, exercise=["']([\d.]+)["']""", "\n".join(src))))
+        assert len(keys) >= 2, f"{nb.name}: {len(keys)} predict-then-run exercise(s), at least 2 wanted"
         for key in keys:
             found += 1
             at = [i for i, s in enumerate(src) if re.search(rf"""exercise=["']{re.escape(key)}["']""", s)]
@@ -112,11 +114,14 @@ def test_predict_then_run_exercises_ask_first_run_then_hide_the_solution():
             assert len(run) == 1 and len(solution) == 1 and run[0] < solution[0], f"{nb.name} {key}"
             assert re.match(r"prediction = \.\.\.", src[run[0] - 1]), f"{nb.name} {key}: no blank before the run"
             assert "measured =" in src[run[0]] and "prediction =" not in src[run[0]], f"{nb.name} {key}"
+            shown = "".join("".join(o.get("text", "")) for o in cells[run[0]].get("outputs", []))
+            assert shown.startswith(f"Exercise {key}: write your prediction first") and shown.count("\n") == 1, \
+                f"{nb.name} {key}: the committed run shows more than what to do: {shown!r}"
             hint = re.search(r"""hint=(['"])(.*?)\1\)""", src[run[0]], re.S)
             assert hint and hint.group(2).strip(), f"{nb.name} {key}: no hint"
             given = re.search(r"^prediction = (.+)$", src[solution[0]], re.M)
             assert given and given.group(1).replace(" ", "") not in hint.group(2).replace(" ", ""), f"{nb.name} {key}"
-    assert found >= 2
+    assert found >= 12
 
 
 def test_answers_and_solutions_are_hidden_on_colab_too():

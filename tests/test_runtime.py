@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,19 +174,52 @@ def _init_in_subprocess(env: dict, timeout: float = 90):
     return proc, time.monotonic() - start
 
 
-def test_unreachable_master_fails_within_the_timeout():
-    port = free_port()  # nothing listens there
-    proc, elapsed = _init_in_subprocess({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                         "MASTER_PORT": str(port), "NANODIST_TIMEOUT": "3"})
+class _Waiting:
+    """Ranks that can only wait -- for a master nobody runs, a host that does not exist, peers that never come --
+    started together at the first test that asks for one: they spend their time asleep, so waiting side by side
+    costs what the longest wait does (test_runtime took 52 s with these one after the other)."""
+
+    def __init__(self, cases: dict):
+        self.ports, self.runs, self.threads = {}, {}, {}
+        for name, env in cases.items():
+            self.ports[name] = env.get("MASTER_PORT")
+            self.threads[name] = threading.Thread(target=self._run, args=(name, env), daemon=True)
+            self.threads[name].start()
+
+    def _run(self, name, env):
+        self.runs[name] = _init_in_subprocess(env, timeout=90)
+
+    def result(self, name):
+        self.threads[name].join(timeout=120)
+        return self.runs[name]
+
+
+@pytest.fixture(scope="module")
+def waiting():
+    master = {"MASTER_ADDR": "127.0.0.1"}
+    return _Waiting({
+        "unreachable": {"RANK": "1", "WORLD_SIZE": "2", **master, "MASTER_PORT": str(free_port()),
+                        "NANODIST_TIMEOUT": "3"},  # nothing listens on that port
+        "unresolvable": {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid",
+                         "MASTER_PORT": "29999", "NANODIST_TIMEOUT": "3"},
+        "rank0-alone": {"RANK": "0", "WORLD_SIZE": "3", **master, "MASTER_PORT": str(free_port()),
+                        "NANODIST_TIMEOUT": "14"},
+        "rank1-alone": {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", **master,
+                        "MASTER_PORT": str(free_port()), "NANODIST_TIMEOUT": "6"},
+    })
+
+
+def test_unreachable_master_fails_within_the_timeout(waiting):
+    port = waiting.ports["unreachable"]  # nothing listens there
+    proc, elapsed = waiting.result("unreachable")
     assert proc.returncode != 0
     assert f"rank 1 could not join the process group at MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" in proc.stderr
     assert "Check that every rank was started" in proc.stderr
     assert elapsed < 60
 
 
-def test_unresolvable_master_address_is_named():
-    proc, _ = _init_in_subprocess({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid",
-                                   "MASTER_PORT": "29999", "NANODIST_TIMEOUT": "3"})
+def test_unresolvable_master_address_is_named(waiting):
+    proc, _ = waiting.result("unresolvable")
     assert proc.returncode != 0
     assert "MASTER_ADDR=no-such-host.invalid" in proc.stderr
 
@@ -230,10 +264,9 @@ def test_a_busy_port_says_address_in_use_and_what_to_do():
     assert "within" not in proc.stderr.splitlines()[-1]  # not blamed on a timeout
 
 
-def test_a_rank_waiting_for_its_peers_says_so_within_ten_seconds():
-    port = free_port()
-    proc, elapsed = _init_in_subprocess({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-                                         "MASTER_PORT": str(port), "NANODIST_TIMEOUT": "14"})
+def test_a_rank_waiting_for_its_peers_says_so_within_ten_seconds(waiting):
+    port = waiting.ports["rank0-alone"]
+    proc, elapsed = waiting.result("rank0-alone")
     assert proc.returncode != 0 and elapsed < 60
     assert (f"[rank 0] still waiting for the other 2 rank(s) of the run to join at MASTER_ADDR=127.0.0.1 "
             f"MASTER_PORT={port}") in proc.stderr and "giving up after 14 s" in proc.stderr
@@ -302,15 +335,10 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_a_lone_rank_gives_up_within_its_timeout_and_says_when():
+def test_a_lone_rank_gives_up_within_its_timeout_and_says_when(waiting):
     """Rank 1 of 2 with no rank 0: torch's store client retries past the timeout it is given (28 s of a 10 s
     NANODIST_TIMEOUT); nd.init() keeps the limit it states."""
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NANODIST_TIMEOUT": "6"}
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", "import nanodist as nd; nd.init()"], env=env, capture_output=True,
-                         text=True, timeout=50)
-    took = time.monotonic() - t0
+    out, took = waiting.result("rank1-alone")
     assert out.returncode != 0 and "could not join the process group" in out.stderr and "within 6 s" in out.stderr
     waited = int(out.stderr.split("gave up after ")[1].split(" s")[0])
     assert waited <= 6 + runtime.JOIN_GRACE_S + 1 and took < 30, (waited, took, out.stderr[-500:])

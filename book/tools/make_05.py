@@ -891,4 +891,24 @@ chapter.predict(
     "prediction = (2 * 2 + 1, 2 + 1)",
 )
 
+chapter.predict(
+    '5.6',
+    'The unit of the layouts figure, a `Linear(4, 5)` followed by a `Linear(4, 3)` (40 elements), is '
+    'sharded on 3 ranks in the table above: equal padded pieces in the flat layout, uneven ones in '
+    "FSDP2's `Shard(0)` layout. On **4** ranks, how many elements does each rank hold in each layout? "
+    'Write `prediction = ((flat: rank0, ..., rank3), (Shard(0): rank0, ..., rank3))`, then run the cell '
+    'after it, which asks `flat_layout` and `dim0_layout`, the functions of the figure.',
+    'prediction = ...   # ((flat layout: elements on ranks 0-3), (Shard(0): elements on ranks 0-3))',
+    'unit_shapes = [(5, 4), (5,), (3, 4), (3,)]                    # fc1.weight, fc1.bias, fc2.weight, fc2.bias\n'
+    'unit_numels = [torch.Size(s).numel() for s in unit_shapes]\n'
+    'held = lambda layout: tuple(sum(b - a for _, a, b in pieces) for pieces in layout)   # padding included\n'
+    'measured = (held(flat_layout(unit_numels, 4)), held(dim0_layout(unit_shapes, 4)))',
+    "Flat: one buffer cut into 4 equal pieces. Shard(0): each parameter's rows cut separately, ceil(rows "
+    '/ 4) at a time, the last ranks taking what is left.',
+    '# Flat: 40 elements divide by 4, so 10 each and no padding. Shard(0): fc1 has 5 rows, dealt 2, 2, 1, 0 (4 values a\n'
+    '# row for the weight, 1 for the bias); fc2 has 3 rows, dealt 1, 1, 1, 0. Rank 3 holds nothing, and ranks 0-2 hold\n'
+    '# exactly what they held at 3 ranks (the table above): per-parameter sharding of small tensors stops shrinking.\n'
+    'prediction = ((10, 10, 10, 10), (2 * 4 + 2 + 1 * 4 + 1, 2 * 4 + 2 + 1 * 4 + 1, 1 * 4 + 1 + 1 * 4 + 1, 0))',
+)
+
 chapter.write("05_fsdp.ipynb")

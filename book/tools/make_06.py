@@ -800,6 +800,39 @@ chapter.predict(
     "prediction = [9, 10]",
 )
 
+chapter.predict(
+    '6.5',
+    'Train the set-up of Exercise 4 again (10 steps, a save every 3 steps and at the end), once with '
+    '`keep=2` and once with `keep=1`. Then the newest checkpoint gets one flipped byte, as in "Damaged '
+    'files" above, and a restarted run calls `resume(trainer, "auto")`. From which step does the '
+    'restarted run go on, with `keep=2` and with `keep=1`? Write `prediction = (with_keep_2, '
+    'with_keep_1)`, with 0 for a fresh start, then run the cell after it.',
+    'prediction = ...   # (step the restarted run goes on from with keep=2, with keep=1; 0: a fresh start)',
+    'import contextlib, io\n'
+    '\n'
+    '\n'
+    'def restart_after_damage(keep):\n'
+    '    folder = work / f"exercise-6.5-keep{keep}"\n'
+    '    make_trainer(CheckpointManager(folder, format="full", keep=keep), steps=10).fit()\n'
+    '    newest = CheckpointManager(folder, format="full").latest() / "state.pt"\n'
+    '    data = bytearray(newest.read_bytes())\n'
+    '    data[len(data) // 2] ^= 0xFF                            # one flipped byte in the newest checkpoint\n'
+    '    newest.write_bytes(bytes(data))\n'
+    '    restarted = make_trainer()\n'
+    '    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):   # its messages would tell\n'
+    '        warnings.simplefilter("ignore")\n'
+    '        CheckpointManager(folder, format="full", keep=keep).resume(restarted, "auto")\n'
+    '    return restarted.step                                   # where the restarted run goes on (0: from scratch)\n'
+    '\n'
+    '\n'
+    'measured = (restart_after_damage(keep=2), restart_after_damage(keep=1))',
+    'Which checkpoints are still in the folder when each run ends? Then: what does find("auto") do with '
+    'one that fails its checksum?',
+    '# keep=2 leaves steps 9 and 10; step 10 fails its checksum and "auto" falls back to step 9. keep=1 leaves only\n'
+    '# step 10: nothing to fall back to, so the run starts from scratch -- keep at least 2.\n'
+    'prediction = (9, 0)',
+)
+
 md(r"""
 ## Summary
 
