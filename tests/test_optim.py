@@ -850,3 +850,22 @@ def test_parameters_frozen_and_unfrozen_while_training_match_torch(W):
             dev, where = out[name]
             # fp32 sums in another order; see tests/test_parity.py for the tolerance's measure
             assert dev < 1e-4, (name, dev, where)
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "maximize"])
+def test_adamw_state_with_an_option_dist_adamw_lacks_is_refused_by_name(no_process_group, option):
+    """torch's AdamW(amsgrad=True) keeps max_exp_avg_sq, AdamW(maximize=True) ascends: DistAdamW has neither, so
+    their state is refused, naming the option, instead of loading into different arithmetic."""
+    from nanodist.state import load_optimizer_state_dict, optimizer_state_dict
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=64, block_size=16))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    saved = torch.optim.AdamW(model.parameters(), lr=1e-3, **{option: True})
+    model(x, x)[1].backward()
+    saved.step()
+    state = optimizer_state_dict(model, saved)
+    with pytest.raises(ValueError, match=f"ran AdamW with {option}=True, which DistAdamW does not implement"):
+        load_optimizer_state_dict(model, DistAdamW(model.parameters(), lr=1e-3), state)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the same option off: loads as before
+    plain.step()
+    load_optimizer_state_dict(model, DistAdamW(model.parameters(), lr=1e-3), optimizer_state_dict(model, plain))

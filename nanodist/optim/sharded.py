@@ -709,6 +709,15 @@ class ShardedOptimizer(torch.optim.Optimizer, ReportsLocalFinite):
             raise ValueError(f"{name}.load_state_dict: the saved state has param groups of sizes "
                              f"{[len(g['params']) for g in groups]}, this optimizer {[len(h['params']) for h in self.param_groups]}: "
                              f"build the optimizer as in the saved run")
+        for g, h in zip(groups, self.param_groups):
+            # torch's AdamW options that change the arithmetic and that DistAdamW does not have: loading would
+            # drop max_exp_avg_sq (amsgrad), or minimize what the saved run maximized (maximize), silently
+            options = [k for k in ("amsgrad", "maximize") if h["kind"] == "adamw" and g.get(k)]
+            if options:
+                raise ValueError(f"{name}.load_state_dict: the saved optimizer ran AdamW with "
+                                 f"{' and '.join(f'{k}=True' for k in options)}, which {name} does not implement: "
+                                 f"resume into torch.optim.AdamW with the same option (under DDP or FSDP), or "
+                                 f"start {name} from fresh optimizer state")
         saved_ids = [i for g in groups for i in g["params"]]  # ints, or names (from get_state_dict)
         new_state = {}
         for j, key in enumerate(saved_ids):
