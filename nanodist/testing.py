@@ -141,6 +141,61 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None =
     return [values[r] for r in range(world_size)]
 
 
+def _script_worker(path: str, args: list, env: dict, out_path: str, err_path: str) -> None:
+    import runpy
+    import sys
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        for fd, name in ((1, out_path), (2, err_path)):
+            f = os.open(name, os.O_WRONLY | os.O_TRUNC)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.argv = [path, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # what `python path` puts first
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
+        except BaseException:
+            tb.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def run_script(path, args=(), env: dict | None = None, timeout: float = 120):
+    """`python path *args` with environment `env` (the whole environment, as subprocess's env=), in a process
+    forked from the fork server that has imported torch and nanodist: what a test of a script's command line
+    needs (its exit code, stdout and stderr, as a subprocess.CompletedProcess) without paying torch's import
+    each time. Not for a script whose imports the environment changes (PYTHONPATH has no effect here)."""
+    import subprocess
+    import tempfile
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="nanodist-script-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for name in (out, err):
+            open(name, "w").close()
+        env = dict(os.environ if env is None else env)
+        proc = ctx.Process(target=_script_worker, args=(str(path), [str(a) for a in args], env, out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired([str(path), *map(str, args)], timeout)
+        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
+            return subprocess.CompletedProcess([str(path), *map(str, args)], proc.exitcode, f_out.read(), f_err.read())
+
+
 def deviation(got, want, abs_floor: float = 0.0) -> float:
     """The largest |got - want| / max(|want|, abs_floor) over two equal-length sequences of numbers or tensors."""
     import torch

@@ -1,20 +1,20 @@
 """Every lab checks every flag before any work starts: one line saying what is wrong and what to do, exit code 2,
 no traceback. Plain `python lab.py` (a world of one) is enough: the checks run before any process group."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from nanodist.testing import run_script
 
 LABS = Path(__file__).resolve().parents[1] / "labs"
 SMALL = ["--model", "tiny", "--micro-batch", "2", "--seq-len", "16", "--steps", "5", "--no-progress"]
 
 
 def run(lab: str, args: list[str], results_dir, env=None):
+    """`python labs/<lab> *args`, forked from a process that has imported torch (2 s saved per run)."""
     env = {**os.environ, "NANODIST_RESULTS_DIR": str(results_dir), **(env or {})}
-    return subprocess.run([sys.executable, str(LABS / lab), *args], capture_output=True, text=True, timeout=120,
-                          env=env)
+    return run_script(LABS / lab, args, env=env, timeout=120)
 
 
 @pytest.mark.parametrize("lab, args, message", [

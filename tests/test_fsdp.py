@@ -131,8 +131,8 @@ def check_fsdp_equivalence(outs):
 
 
 @pytest.mark.numerical
-@pytest.mark.parametrize("W", [1, 2, 3, 4])
-def test_fsdp_equals_torch_fsdp2_and_one_process(W):
+@pytest.mark.parametrize("W", [1, 2, 3])  # 3: units whose sizes do not divide (padding, empty shards); 4 ranks on a
+def test_fsdp_equals_torch_fsdp2_and_one_process(W):  # 2-core CI added 12 s and no layout that 2 and 3 do not show
     outs = spawn(equivalence_worker, W, args=(False,), timeout=120)
     r0 = outs[0]
     # the losses every rank measured on its own batch, and the global gradient norms: ours, FSDP2's and one

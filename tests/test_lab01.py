@@ -1,13 +1,12 @@
 """Lab 1 end to end: one process, two ranks, and two "nodes" on one host."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import nanodist as nd
 from nanodist.results import load_all
+from nanodist.testing import run_script
 
 LAB = Path(__file__).resolve().parents[1] / "labs" / "lab01_ranks.py"
 pytestmark = pytest.mark.dist
@@ -25,8 +24,7 @@ def check_reports(results, world_size, nnodes):
 
 
 def test_plain_python_is_a_world_of_one(results_dir):
-    out = subprocess.run([sys.executable, str(LAB), "--repeats", "2"], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "NANODIST_RESULTS_DIR": str(results_dir)})
+    out = run_script(LAB, ["--repeats", "2"], env={**os.environ, "NANODIST_RESULTS_DIR": str(results_dir)})
     assert out.returncode == 0, out.stderr
     assert "rank 0/1 local_rank 0 node 0 gloo/cpu" in out.stdout
     (record,) = load_all("lab01_ranks", roots=[results_dir])
@@ -52,5 +50,5 @@ def test_two_nodes_on_one_host(results_dir):
 
 
 def test_help_describes_the_lab():
-    out = subprocess.run([sys.executable, str(LAB), "--help"], capture_output=True, text=True, timeout=60)
+    out = run_script(LAB, ["--help"], timeout=60)
     assert out.returncode == 0 and "--numel" in out.stdout and "torchrun" in out.stdout

@@ -9,7 +9,7 @@ import pytest
 
 import nanodist as nd
 from nanodist.results import load_all
-from nanodist.testing import within
+from nanodist.testing import run_script, within
 from wandb_offline import history as wandb_history
 
 LAB = Path(__file__).resolve().parents[1] / "labs" / "lab03_ddp.py"
@@ -20,7 +20,10 @@ pytestmark = pytest.mark.dist
 def run_lab(args, results_dir, extra_env=None):
     env = {**os.environ, "NANODIST_RESULTS_DIR": str(results_dir), **(extra_env or {})}
     env = {k: v for k, v in env.items() if v is not None}  # None: unset the variable
-    return subprocess.run([sys.executable, str(LAB), *args], capture_output=True, text=True, timeout=120, env=env)
+    if "PYTHONPATH" in (extra_env or {}):  # it changes what the lab imports: a fresh interpreter
+        return subprocess.run([sys.executable, str(LAB), *args], capture_output=True, text=True, timeout=120,
+                              env=env)
+    return run_script(LAB, args, env=env, timeout=120)  # forked from a process that imported torch
 
 
 @pytest.mark.numerical

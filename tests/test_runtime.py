@@ -14,6 +14,7 @@ import nanodist as nd
 from nanodist import runtime
 from nanodist.launch import free_port
 from nanodist.runtime import DistConfigError, DistInfo, choose_backend, choose_device, read_env
+from nanodist.testing import run_script
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "GROUP_RANK": "0"}
@@ -349,7 +350,6 @@ def test_a_lab_in_a_partial_torchrun_environment_says_so_in_one_line(tmp_path):
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
     lab = Path(__file__).resolve().parents[1] / "labs" / "lab06_checkpoint.py"
-    out = subprocess.run([sys.executable, str(lab), "--model", "tiny", "--checkpoint-dir", str(tmp_path / "ck")],
-                         env=env, capture_output=True, text=True, timeout=60)
+    out = run_script(lab, ["--model", "tiny", "--checkpoint-dir", str(tmp_path / "ck")], env=env, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-800:]
     assert "incomplete distributed environment" in out.stderr and "MASTER_ADDR, MASTER_PORT missing" in out.stderr

@@ -50,3 +50,25 @@ def test_a_hang_times_out_and_leaves_no_process():
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE]
     assert left == []
+
+
+def test_run_script_is_python_running_the_file(tmp_path):
+    """What a command-line test reads from `python script.py args`: exit code, stdout and stderr, the environment
+    it was given, sys.argv -- and a script that raises, exits with a message or runs too long."""
+    import subprocess
+    from nanodist.testing import run_script
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\nprint('out', sys.argv[1:], os.environ.get('GREETING'))\n"
+                      "print('err', file=sys.stderr)\n"
+                      "if sys.argv[1] == 'raise': raise ValueError('bad value')\n"
+                      "if sys.argv[1] == 'message': sys.exit('a message')\n"
+                      "if sys.argv[1] == 'sleep': import time; time.sleep(60)\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    ok = run_script(script, ["3"], env={"GREETING": "hi", "PATH": "/usr/bin"})
+    assert (ok.returncode, ok.stdout, ok.stderr) == (3, "out ['3'] hi\n", "err\n")
+    raised = run_script(script, ["raise"])
+    assert raised.returncode == 1 and "ValueError: bad value" in raised.stderr and "Traceback" in raised.stderr
+    said = run_script(script, ["message"])
+    assert said.returncode == 1 and said.stderr.endswith("a message\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_script(script, ["sleep"], timeout=2)
