@@ -831,7 +831,7 @@ class CheckpointManager:
         path = self.find(spec)
         if path is None:
             if spec not in (None, "none"):
-                print0(f"no checkpoint in {self.directory}: starting fresh")
+                print0(f"no usable checkpoint in {self.directory}: starting fresh")
             return None
         load(path, trainer, group=self.group, verify_files=False)  # find() has just verified every file
         print0(f"resumed from {path} at step {trainer.step}")

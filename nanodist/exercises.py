@@ -16,8 +16,10 @@ A predict-then-run exercise has no hidden answer: the reader writes a prediction
 the thing on their own machine (a changed setting, a counted event), and compare() sets one against the other:
 
     prediction = ...                                         # the reader's cell
-    measured = count_gathers(reshard_after_forward=False)    # the run: visible, it is the experiment
-    compare(prediction, measured, exercise="5.6", hint="...")
+    measured = (gathers(True), gathers(False))               # the run: visible, it is the experiment
+    compare(prediction, measured, exercise="5.5", hint="...")
+    prediction = (5, 3)                                      # the solution, collapsed until opened; it
+    compare(prediction, measured, exercise="5.5", hint="", reveal=False)   # prints the verdict alone
 """
 from __future__ import annotations
 
@@ -94,15 +96,19 @@ def check(answer, expected: Any = None, hint: str = "", rel_tol: float = 1e-6, *
         print(f"Not quite ({answer!r}){why}. Hint: {hint}")
 
 
-def compare(prediction, measured, *, exercise: str, hint: str, rel_tol: float = 1e-6) -> None:
+def compare(prediction, measured, *, exercise: str, hint: str, rel_tol: float = 1e-6, reveal: bool = True) -> None:
     """A predict-then-run exercise's check: the reader's `prediction` against what their own run `measured`.
 
     Until the reader has predicted (`...`), nothing measured is shown, only what to do and the hint: the run must
     not answer the question before it is asked. Once they have, both are printed (the measurement is theirs, just
-    made), with the verdict; floats agree within rel_tol, lists and tuples element-wise."""
+    made), with the verdict; floats agree within rel_tol, lists and tuples element-wise. reveal=False prints the
+    verdict alone: the solution's cell, whose output stays on the page when its code is folded."""
     if prediction is ...:
         print(f"Exercise {exercise}: write your prediction first (replace the ...), then run this cell again. "
               f"Hint: {hint}")
+        return
+    if not reveal:
+        print("Right!" if is_right(prediction, measured, rel_tol) else f"Not quite. Hint: {hint}")
         return
     if is_right(prediction, measured, rel_tol):
         print(f"Right! You predicted {prediction!r}; this machine measured {measured!r}.")

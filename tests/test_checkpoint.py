@@ -314,7 +314,7 @@ def test_no_checkpoint_starts_fresh_and_an_unwritable_directory_fails_first(tmp_
     mgr = CheckpointManager(tmp_path / "new")
     run = make_run()
     assert mgr.resume(run.trainer, "auto") is None and run.trainer.step == 0
-    assert "no checkpoint in" in capsys.readouterr().out
+    assert "no usable checkpoint in" in capsys.readouterr().out
     assert mgr.resume(run.trainer, "none") is None
     with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
         mgr.resume(run.trainer, tmp_path / "nowhere")
@@ -651,6 +651,8 @@ def cross_worker(rank, world, directory, old_fsdp):
     out = {}
     for fmt in ("sharded", "full"):
         for src in CROSS:
+            if old_fsdp and src[0] != "fsdp":
+                continue  # only nanodist.FSDP's checkpoints were saved otherwise before
             d = Path(directory) / f"{fmt}-{src[0]}"
             mgr = CheckpointManager(d, format=fmt)
             a = make_run(*src)
@@ -674,7 +676,7 @@ def cross_worker(rank, world, directory, old_fsdp):
 @pytest.mark.parametrize("world, old_fsdp", [(3, False), (2, True)])
 def test_a_checkpoint_loads_into_any_other_wrapper(tmp_path, world, old_fsdp):
     for rank_out in spawn(cross_worker, world, args=(str(tmp_path), old_fsdp), timeout=120):
-        assert len(rank_out) == 2 * len(CROSS) ** 2
+        assert len(rank_out) == 2 * len(CROSS) * (1 if old_fsdp else len(CROSS))
         wrong = {k: v for k, v in rank_out.items() if v is not True}
         assert not wrong, wrong
 

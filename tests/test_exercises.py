@@ -89,12 +89,16 @@ def test_a_prediction_is_compared_with_the_measurement_only_once_it_is_made(caps
     assert out[1] == "Right! You predicted (5, 3); this machine measured [5, 3]."
     assert out[2] == "Not quite: you predicted (4, 3); this machine measured (5, 3). Hint: count per unit"
     assert out[3].startswith("Right!")
+    compare((5, 3), (5, 3), exercise="t.p", hint="h", reveal=False)  # a folded solution: its output stays shown
+    compare((4, 3), (5, 3), exercise="t.p", hint="count per unit", reveal=False)
+    assert capsys.readouterr().out.splitlines() == ["Right!", "Not quite. Hint: count per unit"]
 
 
 def test_predict_then_run_exercises_ask_first_run_then_hide_the_solution():
     """Every chapter has at least two predict-then-run exercises: the reader's blank prediction, then the visible
     run that measures and compares with a hint, then the collapsed solution; the run cell never holds the
-    prediction's value, and its committed output (run before any prediction) shows only what to do."""
+    prediction's value, and its committed output (run before any prediction) shows only what to do; the solution,
+    whose output stays on the page when its code is folded, says only "Right!"."""
     import json
     import re
     from pathlib import Path
@@ -119,6 +123,8 @@ def test_predict_then_run_exercises_ask_first_run_then_hide_the_solution():
                 f"{nb.name} {key}: the committed run shows more than what to do: {shown!r}"
             hint = re.search(r"""hint=(['"])(.*?)\1\)""", src[run[0]], re.S)
             assert hint and hint.group(2).strip(), f"{nb.name} {key}: no hint"
+            folded = "".join("".join(o.get("text", "")) for o in cells[solution[0]].get("outputs", []))
+            assert folded == "Right!\n", f"{nb.name} {key}: a folded solution's output stays on the page: {folded!r}"
             given = re.search(r"^prediction = (.+)$", src[solution[0]], re.M)
             assert given and given.group(1).replace(" ", "") not in hint.group(2).replace(" ", ""), f"{nb.name} {key}"
     assert found >= 12

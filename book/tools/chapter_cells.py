@@ -45,7 +45,9 @@ class Chapter:
         self.md(f"**{key[2:]}.** *Predict, then run.* {question}")
         self.code(blank)
         self.code(f"{run}\ncompare(prediction, measured, exercise={key!r},\n        hint={hint!r})")
-        self.code(f"{SOLUTION_TITLE}\n{solution}\ncompare(prediction, measured, exercise={key!r}, hint='')", SOLUTION)
+        # reveal=False: a folded cell's output stays on the page, so the solution's says only "Right!"
+        self.code(f"{SOLUTION_TITLE}\n{solution}\n"
+                  f"compare(prediction, measured, exercise={key!r}, hint='', reveal=False)", SOLUTION)
 
     def write(self, name: str) -> Path:
         nb = nbf.v4.new_notebook(cells=self.cells)

@@ -126,7 +126,7 @@ a multiple of $N$, and gives rank $r$ the $r$-th of $N$ equal pieces. PyTorch's 
 does the same. torch's FSDP2 does something else: it cuts
 *each parameter* along its first dimension, so that every parameter is a `DTensor` with {term}`placement`
 `Shard(0)` whose rank-$r$ part is the $r$-th chunk of its rows (`torch.chunk`'s rule). Here are both
-layouts for a small unit, a `Linear(4, 5)` followed by a `Linear(4, 3)`, on 3 ranks, computed by the
+layouts for a small unit, a `Linear(4, 5)` and a `Linear(4, 3)`, on 3 ranks, computed by the
 same functions `nanodist.FSDP` uses:
 """)
 
@@ -893,7 +893,7 @@ chapter.predict(
 
 chapter.predict(
     '5.6',
-    'The unit of the layouts figure, a `Linear(4, 5)` followed by a `Linear(4, 3)` (40 elements), is '
+    'The unit of the layouts figure, a `Linear(4, 5)` and a `Linear(4, 3)` (40 elements), is '
     'sharded on 3 ranks in the table above: equal padded pieces in the flat layout, uneven ones in '
     "FSDP2's `Shard(0)` layout. On **4** ranks, how many elements does each rank hold in each layout? "
     'Write `prediction = ((flat: rank0, ..., rank3), (Shard(0): rank0, ..., rank3))`, then run the cell '
