@@ -28,6 +28,7 @@ What it guarantees:
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
@@ -226,6 +227,10 @@ class _WarmAgent:
 
     def __init__(self, pid: int, reply: socket.socket, stdout):
         self.pid, self.stdout, self.returncode, self._reply = pid, stdout, None, reply
+        try:  # the server reaps its agents at once: a pid can be reused, a psutil.Process notices
+            self.process = psutil.Process(pid)
+        except psutil.Error:
+            self.process = None
 
     def _read(self, timeout: float | None) -> None:
         if self.returncode is not None:
@@ -250,10 +255,11 @@ class _WarmAgent:
         return self.returncode
 
     def kill(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.poll() is None and self.process is not None:
+            try:
+                self.process.kill()
+            except psutil.Error:
+                pass
 
 
 class _AgentServer:
@@ -262,7 +268,7 @@ class _AgentServer:
     Linux only; NANODIST_WARM_AGENT=0 turns it off (each launch then runs `python -m torch.distributed.run`)."""
 
     _lock = threading.Lock()
-    _owner_pid: int | None = None
+    _owner_pid: int | None = None  # the process these belong to: a forked child starts its own
     _proc: subprocess.Popen | None = None
     _control: socket.socket | None = None
     _starter: queue.Queue | None = None
@@ -271,6 +277,16 @@ class _AgentServer:
     def enabled(cls) -> bool:
         from . import reaper
         return reaper.available() and os.environ.get("NANODIST_WARM_AGENT", "1") != "0"
+
+    @classmethod
+    def _forget(cls) -> None:
+        """In a child forked from a launching process: the parent's server, lock and thread are not ours."""
+        if cls._control is not None:
+            try:
+                cls._control.close()
+            except OSError:
+                pass
+        cls._lock, cls._proc, cls._control, cls._starter, cls._owner_pid = threading.Lock(), None, None, None, None
 
     @classmethod
     def _start(cls) -> None:
@@ -282,7 +298,10 @@ class _AgentServer:
                              name="nanodist-agent-server").start()
         done: queue.Queue = queue.Queue()
         cls._starter.put(done)
-        proc, control = done.get()
+        started = done.get()
+        if isinstance(started, BaseException):
+            raise started
+        proc, control = started
         cls._proc, cls._control, cls._owner_pid = proc, control, os.getpid()
 
     @staticmethod
@@ -290,12 +309,17 @@ class _AgentServer:
         server = Path(__file__).with_name("agent_server.py")  # run as a file: importing it would import torch
         while True:
             done = requests.get()
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            proc = subprocess.Popen([sys.executable, str(server), str(theirs.fileno())],
-                                    pass_fds=[theirs.fileno()], start_new_session=True,
-                                    stdout=subprocess.DEVNULL, stderr=None)
-            theirs.close()
-            done.put((proc, ours))
+            try:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    proc = subprocess.Popen([sys.executable, str(server), str(theirs.fileno()), str(os.getpid())],
+                                            pass_fds=[theirs.fileno()], start_new_session=True,
+                                            stdout=subprocess.DEVNULL, stderr=None)
+                finally:
+                    theirs.close()
+                done.put((proc, ours))
+            except BaseException as e:  # e.g. out of file descriptors: the caller raises it, this thread goes on
+                done.put(e)
 
     @classmethod
     def spawn(cls, cmd: list[str], env: dict) -> _WarmAgent:
@@ -312,10 +336,14 @@ class _AgentServer:
                     try:
                         socket.send_fds(cls._control, [message], [theirs.fileno(), out_w])
                         break
-                    except OSError:  # the server died since the last launch: start another
-                        cls._proc = None
-                        if attempt:
+                    except OSError as e:
+                        if e.errno == errno.EMSGSIZE:
+                            raise RuntimeError(f"launch: this launch's environment ({len(message)} bytes) is too "
+                                               f"large for nanodist's agent server; set NANODIST_WARM_AGENT=0 to "
+                                               f"launch through `python -m torch.distributed.run`") from e
+                        if attempt or cls._proc.poll() is None and e.errno not in _SERVER_GONE:
                             raise
+                        cls._proc = None  # the server died since the last launch: start another
         except BaseException:
             os.close(out_r)
             ours.close()
@@ -324,14 +352,21 @@ class _AgentServer:
             os.close(out_w)
             theirs.close()
         stdout = os.fdopen(out_r, "r", errors="replace")
-        ready, _, _ = select.select([ours], [], [], 120)  # the first launch waits for the server's import
-        message = ours.recv(4096) if ready else b""
-        if not message:
+        try:
+            ready, _, _ = select.select([ours], [], [], 120)  # the first launch waits for the server's import
+            message = ours.recv(4096) if ready else b""
+            if not message:
+                raise RuntimeError("launch: nanodist's agent server did not start an agent; set "
+                                   "NANODIST_WARM_AGENT=0 to launch through `python -m torch.distributed.run` instead")
+            return _WarmAgent(json.loads(message)["pid"], ours, stdout)
+        except BaseException:  # Ctrl-C while waiting, too: hanging up tells the server to end this launch's agent
             stdout.close()
             ours.close()
-            raise RuntimeError("launch: nanodist's agent server did not start an agent; set NANODIST_WARM_AGENT=0 "
-                               "to launch through `python -m torch.distributed.run` instead")
-        return _WarmAgent(json.loads(message)["pid"], ours, stdout)
+            raise
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_AgentServer._forget)
 
 
 def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 600, nnodes: int = 1,
@@ -372,6 +407,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 
 
 
 _PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+_SERVER_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
 
 
 def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: int, env: dict | None, echo: bool,
@@ -408,6 +444,8 @@ def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: i
 
     def track() -> None:
         for a in agents:
+            if a.poll() is not None:
+                continue  # ended: its pid may belong to another process by now
             try:
                 for p in [psutil.Process(a.pid)] + psutil.Process(a.pid).children(recursive=True):
                     seen.setdefault(p.pid, p)

@@ -262,3 +262,41 @@ def test_with_the_warm_agent_off_each_launch_runs_torchrun_under_the_reaper(resu
     assert run.results["metrics"]["rank_sum"] == 1.0
     assert "torch.distributed.run" in run.command[0]
     assert (nd.reaper.__file__ in run.command[0]) == nd.reaper.available()
+
+
+def test_every_line_arrives_while_the_ranks_run(results_dir, monkeypatch):
+    """Streamed live, through a warm agent as through a cold one: a line a rank printed is shown before the rank
+    has finished (a forked agent writes to its pipe line by line, as a cold one under PYTHONUNBUFFERED does)."""
+    import importlib
+    launch_module = importlib.import_module("nanodist.launch")
+    # a notebook's kernel has no PYTHONUNBUFFERED; the warm server takes the environment it starts in
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    server = launch_module._AgentServer._proc
+    if server is not None and server.poll() is None:
+        server.kill()
+        server.wait(timeout=10)
+    arrived = {}
+    monkeypatch.setattr(launch_module, "print", lambda line, **kw: arrived.setdefault(line, time.monotonic()),
+                        raising=False)
+    nd.launch(SCRIPTS / "slow_lines.py", nproc=2, timeout=120)
+    assert arrived["[rank0]:second line"] - arrived["[rank0]:first line"] > 2.0, arrived
+
+
+def test_a_launch_the_launcher_hangs_up_on_is_ended_by_the_server(tmp_path):
+    """Ctrl-C while a launch waits for its agent: the launcher closes its end of the launch, and the server ends
+    the agent it had started for it, with its workers."""
+    from nanodist.launch import _AgentServer, _agent_commands, free_port
+    if not _AgentServer.enabled():
+        pytest.skip("the warm agent needs Linux (and NANODIST_WARM_AGENT unset)")
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    cmd = _agent_commands(SCRIPTS / "hang.py", 2, 1, free_port(), "hangup", [], reaped=False)[0]
+    agent = _AgentServer.spawn([str(c) for c in cmd], {**os.environ, "PID_DIR": str(pid_dir)})
+    pids = wait_for_pid_files(pid_dir, 2)
+    assert alive(agent.pid) and all(alive(p) for p in pids)
+    agent._reply.close()  # what spawn's clean-up and the end of a launch that was interrupted do
+    agent.stdout.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in pids + [agent.pid]):
+        time.sleep(0.2)
+    assert [p for p in pids + [agent.pid] if alive(p)] == []
