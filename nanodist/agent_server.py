@@ -118,13 +118,20 @@ def main(control_fd: int, launcher: int) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup byte is written
     control = socket.socket(fileno=control_fd)
     agents: dict[int, socket.socket] = {}  # agent pid -> its launch's reply socket
+    hung_up: set[int] = set()  # agents whose launcher closed its end: being ended, their sockets no longer watched
 
     def end_agent(pid: int) -> None:
-        """The launcher hung up on a launch (Ctrl-C, a timeout while waiting for the agent): end its agent."""
+        """The launcher hung up on a launch (Ctrl-C, a timeout while waiting for the agent): end its agent. Its
+        workers first (not this server's children: psutil polls them, it never reaps them); the agent itself by
+        a signal only, so that reap() collects it, answers nobody and forgets it."""
         try:
-            agent = psutil.Process(pid)
-            reaper.terminate_then_kill([agent] + agent.children(recursive=True), reaper.GRACE_S)
+            below = psutil.Process(pid).children(recursive=True)
         except psutil.Error:
+            below = []
+        reaper.terminate_then_kill(below, reaper.GRACE_S)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
     def reap() -> None:
@@ -136,6 +143,7 @@ def main(control_fd: int, launcher: int) -> int:
             if pid == 0:
                 return
             reply = agents.pop(pid, None)
+            hung_up.discard(pid)
             if reply is None:
                 continue  # an orphan this subreaper inherited
             # what the agent left: its session, and children of this server that are no agent (orphans adopted
@@ -151,14 +159,15 @@ def main(control_fd: int, launcher: int) -> int:
             reply.close()
 
     while True:
-        ready, _, _ = select.select([control, wake_r, *agents.values()], [], [])
+        watched = [reply for pid, reply in agents.items() if pid not in hung_up]
+        ready, _, _ = select.select([control, wake_r, *watched], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
             reap()
         for pid, reply in list(agents.items()):
-            if reply in ready and pid in agents:  # readable: the launcher closed its end of this launch
+            if reply in ready and pid not in hung_up:  # readable: the launcher closed its end of this launch
+                hung_up.add(pid)
                 end_agent(pid)
-                reap()
         if control not in ready:
             continue
         try:

@@ -300,3 +300,6 @@ def test_a_launch_the_launcher_hangs_up_on_is_ended_by_the_server(tmp_path):
     while time.monotonic() < deadline and any(alive(p) for p in pids + [agent.pid]):
         time.sleep(0.2)
     assert [p for p in pids + [agent.pid] if alive(p)] == []
+    server = psutil.Process(_AgentServer._proc.pid)  # and the server forgot that launch: it waits, it does not spin
+    assert server.cpu_percent(interval=1.0) < 50
+    assert nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120, echo=False).results["metrics"]["rank_sum"] == 1.0
