@@ -267,8 +267,7 @@ class _AgentServer:
     once and forks each launch's torchrun agent, saving the agent's own import of torch (about 1.5 s a launch).
     Linux only; NANODIST_WARM_AGENT=0 turns it off (each launch then runs `python -m torch.distributed.run`)."""
 
-    _lock = threading.Lock()
-    _owner_pid: int | None = None  # the process these belong to: a forked child starts its own
+    _lock = threading.Lock()  # the class's state belongs to this process: a forked child forgets it (_forget)
     _proc: subprocess.Popen | None = None
     _control: socket.socket | None = None
     _starter: queue.Queue | None = None
@@ -286,13 +285,13 @@ class _AgentServer:
                 cls._control.close()
             except OSError:
                 pass
-        cls._lock, cls._proc, cls._control, cls._starter, cls._owner_pid = threading.Lock(), None, None, None, None
+        cls._lock, cls._proc, cls._control, cls._starter = threading.Lock(), None, None, None
 
     @classmethod
     def _start(cls) -> None:
         # The server's death signal fires when the *thread* that started it ends: start it from a thread that
         # lives as long as this process, never from the caller's (a notebook's or a test's short-lived thread).
-        if cls._starter is None or cls._owner_pid != os.getpid():
+        if cls._starter is None:
             cls._starter = queue.Queue()
             threading.Thread(target=cls._starter_loop, args=(cls._starter,), daemon=True,
                              name="nanodist-agent-server").start()
@@ -302,7 +301,7 @@ class _AgentServer:
         if isinstance(started, BaseException):
             raise started
         proc, control = started
-        cls._proc, cls._control, cls._owner_pid = proc, control, os.getpid()
+        cls._proc, cls._control = proc, control
 
     @staticmethod
     def _starter_loop(requests: queue.Queue) -> None:
@@ -331,7 +330,7 @@ class _AgentServer:
         try:
             with cls._lock:
                 for attempt in range(2):
-                    if cls._proc is None or cls._owner_pid != os.getpid() or cls._proc.poll() is not None:
+                    if cls._proc is None or cls._proc.poll() is not None:
                         cls._start()
                     try:
                         socket.send_fds(cls._control, [message], [theirs.fileno(), out_w])
