@@ -1,6 +1,6 @@
 """A warm torchrun agent: a process that has imported torch once and forks one torchrun agent per launch (Linux).
 
-    python nanodist/agent_server.py CONTROL_FD LAUNCHER_PID   # what nanodist.launch starts, once per process
+    python nanodist/agent_server.py CONTROL_FD LAUNCHER_PID FOLDER   # what nanodist.launch starts, once per process
 
 A cold launch runs `python -m torch.distributed.run ...`, and that agent spends about 1.5 s of every launch
 importing torch before it starts a single worker. This server pays the import once; for each launch it forks a
@@ -24,19 +24,34 @@ It keeps nanodist.reaper's promises, for every agent at once:
 - each agent gets SIGTERM if the server itself dies (PR_SET_PDEATHSIG in the child).
 
 Unlike a cold agent, the forked one has read torch's import-time settings (LOGLEVEL, for its own log lines) from
-the launcher's environment when the server started, not from the launch's `env=`; the ranks are fresh
-interpreters and see all of it.
+the launcher's environment when the server started, not from the launch's `env=`.
+
+Warm ranks. The server also forks the ranks themselves (nanodist/rank_client.py is what torchrun starts for
+each; it connects to FOLDER/ranks.sock, a socket in a folder only this user can enter, and sends {"argv", "env",
+"cwd"} with its standard streams). The forked rank runs the script as `__main__`, as `python -u script` would:
+unbuffered streams, the script's folder first on sys.path, torch's thread count from OMP_NUM_THREADS, atexit
+handlers and non-daemon threads finished at exit, an uncaught exception through sys.excepthook and exit code
+1. The server answers {"pid": rank} and, when the rank has ended, {"code": exit}; a client that hangs up
+(killed) has its rank killed. A request whose environment differs from the server's in a variable read when
+torch is imported (IMPORT_TIME) is answered {"cold": why}: the client then runs the script in a fresh
+interpreter, so a launch's `env=` always takes effect.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib.util
+import io
 import json
 import os
+import runpy
 import select
+import shutil
 import signal
 import socket
+import struct
 import sys
+import threading
 import traceback
 
 import psutil
@@ -51,6 +66,82 @@ _spec.loader.exec_module(reaper)
 
 MAX_MESSAGE = 1 << 20
 torchrun = None  # torch.distributed.run, imported by main() once the death signal is armed
+
+# Read when torch and the libraries it loads are imported, or fixed for an interpreter's life: a rank whose
+# environment differs from the server's in one of these must be a fresh interpreter.
+IMPORT_TIME = ("ATEN_", "MKL_", "KMP_", "OMP_", "GOMP_", "DNNL_", "ONEDNN_", "OPENBLAS_", "LD_", "MALLOC_",
+               "GLIBC_", "PYTHON", "TORCH", "LOGLEVEL")
+# ... except what torchrun sets per rank (read at run time), OMP_NUM_THREADS (applied to torch by the rank) and
+# PYTHONUNBUFFERED (a rank's streams are always unbuffered, as torchrun's `python -u`)
+PER_RANK = ("TORCHELASTIC_", "TORCH_NCCL_", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+
+
+def import_time_difference(env: dict, base: dict) -> str | None:
+    """The first variable read at import time whose value differs between `env` and `base`, or None."""
+    for name in sorted(set(env) | set(base)):
+        if name.startswith(IMPORT_TIME) and not name.startswith(PER_RANK) and env.get(name) != base.get(name):
+            return name
+    return None
+
+
+def run_rank(request: dict, fds: list[int], libc, server: int, base_path: list[str]) -> None:
+    """In the forked child: become one rank, running the script as `python -u script args` would."""
+    code = 1
+    try:
+        os.setsid()  # torchrun starts each rank in a session of its own
+        libc.prctl(reaper.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != server:  # the server died before the death signal was armed
+            os._exit(1)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        high = [os.dup(fd) for fd in fds]  # received descriptors may themselves be 0, 1 or 2
+        for fd in fds:
+            os.close(fd)
+        for target, fd in enumerate(high):
+            os.dup2(fd, target)
+            os.close(fd)
+        # what `python -u` gives: unbuffered binary layers, text layers that write through
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                                      encoding=sys.stdin.encoding, errors=sys.stdin.errors)
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
+                                                        encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                                        encoding=sys.stderr.encoding, errors=sys.stderr.errors)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:  # OpenMP read the variable when the server loaded it
+            sys.modules["torch"].set_num_threads(int(threads))
+        argv = request["argv"]
+        sys.argv = list(argv)
+        sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *base_path]
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)  # as the interpreter does with sys.exit("message")
+        except KeyboardInterrupt as e:
+            _report(e)
+            code = -signal.SIGINT  # the interpreter ends by SIGINT after an uncaught KeyboardInterrupt
+        except BaseException as e:
+            _report(e)
+            code = 1
+    finally:
+        try:  # the interpreter's exit: wait for non-daemon threads, run atexit handlers, flush
+            threading._shutdown()
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            if code < 0:
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code if code >= 0 else 128 - code)
 
 
 def run_agent(argv: list[str], env: dict, cwd: str, out_fd: int, libc, server: int) -> None:
@@ -96,34 +187,51 @@ def run_agent(argv: list[str], env: dict, cwd: str, out_fd: int, libc, server: i
             os._exit(code)
 
 
-def main(control_fd: int, launcher: int) -> int:
+def _report(e: BaseException) -> None:
+    """An uncaught exception, as the interpreter reports it: through sys.excepthook (torch.distributed installs
+    its own, with a `[rankN]:` prefix), its traceback starting at the script, not in this server or runpy."""
+    tb = e.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == os.path.abspath(__file__)
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    e = e.with_traceback(tb or e.__traceback__)
+    sys.excepthook(type(e), e, e.__traceback__)
+
+
+def main(control_fd: int, launcher: int, folder: str) -> int:
     global torchrun
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(reaper.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     libc.prctl(reaper.PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != launcher:  # the launcher died before the death signal was armed
         return 1
+    base_env, base_path = dict(os.environ), list(sys.path)
+    ranks_listen = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ranks_listen.bind(os.path.join(folder, "ranks.sock"))  # bound before torch's import: the first launch's
+    ranks_listen.listen(64)                                # ranks find it however soon they start
 
     def stop(signum, _frame):
         reaper.kill_descendants()
+        shutil.rmtree(folder, ignore_errors=True)
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, stop)
     import torch.distributed.run
-    torchrun = torch.distributed.run  # the import every cold launch pays, once
+    torchrun = torch.distributed.run  # the import every cold launch (and every cold rank) pays, once
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup byte is written
     control = socket.socket(fileno=control_fd)
     agents: dict[int, socket.socket] = {}  # agent pid -> its launch's reply socket
-    hung_up: set[int] = set()  # agents whose launcher closed its end: being ended, their sockets no longer watched
+    ranks: dict[int, socket.socket] = {}  # warm rank pid -> its client's socket
+    hung_up: set[int] = set()  # children whose launcher or client closed its end: being ended, no longer watched
 
     def end_agent(pid: int) -> None:
-        """The launcher hung up on a launch (Ctrl-C, a timeout while waiting for the agent): end its agent. Its
-        workers first (not this server's children: psutil polls them, it never reaps them); the agent itself by
-        a signal only, so that reap() collects it, answers nobody and forgets it."""
+        """The launcher hung up on a launch (Ctrl-C, a timeout while waiting for the agent), or a rank's client
+        died: end that agent or rank. What it started first (psutil polls them, it never reaps them); the agent
+        or rank itself by a signal only, so that reap() collects it, answers nobody and forgets it."""
         try:
             below = psutil.Process(pid).children(recursive=True)
         except psutil.Error:
@@ -142,14 +250,15 @@ def main(control_fd: int, launcher: int) -> int:
                 return
             if pid == 0:
                 return
-            reply = agents.pop(pid, None)
+            reply = agents.pop(pid, None) or ranks.pop(pid, None)
             hung_up.discard(pid)
             if reply is None:
                 continue  # an orphan this subreaper inherited
-            # what the agent left: its session, and children of this server that are no agent (orphans adopted
-            # from an agent that was killed before it could end them)
+            # what the agent or rank left: its session, and children of this server that are no agent or rank
+            # (orphans adopted from one that was killed before it could end them)
             left = [p for p in psutil.Process().children(recursive=True)
-                    if _session(p.pid) == pid or (p.ppid() == os.getpid() and p.pid not in agents)]
+                    if _session(p.pid) == pid
+                    or (p.ppid() == os.getpid() and p.pid not in agents and p.pid not in ranks)]
             if left:
                 reaper.terminate_then_kill(left, reaper.GRACE_S)
             try:
@@ -158,16 +267,63 @@ def main(control_fd: int, launcher: int) -> int:
                 pass  # the launcher gave up on this launch
             reply.close()
 
+    def close_in_child() -> None:
+        """In a forked agent or rank: what belongs to the server, and every other launch's and rank's socket
+        (their end-of-file must not wait for this child)."""
+        signal.set_wakeup_fd(-1)  # first: a signal must not write into a closed (or reused) descriptor
+        os.close(wake_r)
+        os.close(wake_w)
+        control.close()
+        ranks_listen.close()
+        for other in (*agents.values(), *ranks.values()):
+            other.close()
+
+    def start_rank() -> None:
+        try:
+            client, _ = ranks_listen.accept()
+        except OSError:
+            return
+        fds: list[int] = []
+        try:
+            uid = struct.unpack("3i", client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if uid != os.getuid():  # the folder is private: only this user could have connected
+                return
+            client.settimeout(10)
+            message, fds, _, _ = socket.recv_fds(client, MAX_MESSAGE, 3)
+            client.settimeout(None)
+            request = json.loads(message)
+            differs = import_time_difference(request["env"], base_env)
+            if differs or len(fds) != 3:
+                client.send(json.dumps({"cold": f"{differs} differs from the server's" if differs
+                                        else "three standard streams expected"}).encode())
+                return
+            pid = os.fork()
+            if pid == 0:
+                close_in_child()
+                client.close()
+                run_rank(request, fds, libc, os.getppid(), base_path)
+            ranks[pid], client = client, None
+            ranks[pid].send(json.dumps({"pid": pid}).encode())
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a client that went away or spoke nonsense: it runs cold, or nothing was started for it
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if client is not None:
+                client.close()
+
     while True:
-        watched = [reply for pid, reply in agents.items() if pid not in hung_up]
-        ready, _, _ = select.select([control, wake_r, *watched], [], [])
+        watched = [reply for pid, reply in (*agents.items(), *ranks.items()) if pid not in hung_up]
+        ready, _, _ = select.select([control, ranks_listen, wake_r, *watched], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
             reap()
-        for pid, reply in list(agents.items()):
-            if reply in ready and pid not in hung_up:  # readable: the launcher closed its end of this launch
+        for pid, reply in [*agents.items(), *ranks.items()]:
+            if reply in ready and pid not in hung_up:  # readable: the launcher or the rank's client hung up
                 hung_up.add(pid)
                 end_agent(pid)
+        if ranks_listen in ready:
+            start_rank()
         if control not in ready:
             continue
         try:
@@ -176,6 +332,7 @@ def main(control_fd: int, launcher: int) -> int:
             message, fds = b"", []
         if not message:  # the launcher is gone
             reaper.kill_descendants()
+            shutil.rmtree(folder, ignore_errors=True)
             return 0
         reply_fd, out_fd = fds
         reply = socket.socket(fileno=reply_fd)
@@ -186,13 +343,8 @@ def main(control_fd: int, launcher: int) -> int:
             continue
         pid = os.fork()
         if pid == 0:
-            signal.set_wakeup_fd(-1)  # first: a signal must not write into a closed (or reused) descriptor
-            os.close(wake_r)
-            os.close(wake_w)
-            control.close()
+            close_in_child()
             reply.close()
-            for other in agents.values():  # other launches' reply sockets: their EOF must not wait for this agent
-                other.close()
             run_agent(request["argv"], request["env"], request["cwd"], out_fd, libc, server=os.getppid())
         os.close(out_fd)
         agents[pid] = reply
@@ -210,4 +362,4 @@ def _session(pid: int) -> int | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))

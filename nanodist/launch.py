@@ -28,6 +28,7 @@ What it guarantees:
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import os
@@ -35,10 +36,12 @@ import queue
 import re
 import select
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -110,31 +113,43 @@ def rank_lines(output: str) -> dict[int, list[str]]:
     return out
 
 
-def _root_causes(output: str) -> list[dict]:
-    """Every "Root Cause" block torchrun's agents printed: rank, exit code, and the signal if one killed it."""
-    causes = []
-    for block in output.split("Root Cause")[1:]:
-        cause: dict = {}
-        for line in block.splitlines()[:12]:
+def _failures(output: str) -> list[dict]:
+    """Every failure torchrun's agents reported, in their "Failures" and "Root Cause" entries: rank, exit code,
+    the signal if one killed it, and whether torchrun took it for the root cause."""
+    failures: list[dict] = []
+    root = None  # None: outside a report; else whether the entries read now are torchrun's root cause
+    for line in output.splitlines():
+        if "Root Cause" in line:
+            root = True
+        elif line.strip() == "Failures:":
+            root = False
+        elif line.startswith("====="):
+            root = None
+        elif root is not None and re.match(r"^\[\d+\]:\s*$", line):
+            failures.append({"root": root})
+        elif root is not None and failures:
+            entry = failures[-1]
             m = _ROOT_CAUSE_RANK.match(line)
-            if m and "rank" not in cause:
-                cause["rank"] = int(m.group(1))
+            if m and "rank" not in entry:
+                entry["rank"] = int(m.group(1))
             m = re.match(r"^\s*exitcode\s*:\s*(-?\d+)", line)
-            if m and "exitcode" not in cause:
-                cause["exitcode"] = int(m.group(1))
+            if m and "exitcode" not in entry:
+                entry["exitcode"] = int(m.group(1))
                 sig = re.search(r"\((SIG[A-Z0-9]+)\)", line)
-                cause["signal"] = sig.group(1) if sig else None
-        if "rank" in cause:
-            causes.append(cause)
-    return causes
+                entry["signal"] = sig.group(1) if sig else None
+    return [f for f in failures if "rank" in f]
 
 
 def _failing_rank(output: str) -> tuple[int | None, str]:
-    """The rank torchrun names as the root cause (else the first rank with a traceback) and its traceback."""
+    """The rank that failed first and its traceback: a rank a signal killed, if torchrun saw one fail (the ranks
+    that then lost their peer fail in the same instant, and torchrun's clock, in whole seconds, cannot order
+    them); else the rank torchrun names as the root cause; else the first rank with a traceback."""
     per_rank = rank_lines(output)
-    causes = _root_causes(output)
-    # With several agents (nnodes > 1) the ones launch stopped report SIGTERM: the cause is the other one.
-    real = [c for c in causes if c.get("signal") != "SIGTERM"] or causes
+    failures = _failures(output)
+    # SIGTERM is how torchrun (or launch) stops ranks, and how agents of other "nodes" (nnodes > 1) end
+    killed = [f for f in failures if f.get("signal") not in (None, "SIGTERM")]
+    roots = [f for f in failures if f["root"]]
+    real = sorted(killed, key=lambda f: not f["root"]) or [c for c in roots if c.get("signal") != "SIGTERM"] or roots
     rank = real[0]["rank"] if real else None
     if rank is None:
         with_tb = [r for r, lines in per_rank.items() if any(l.startswith("Traceback") for l in lines)]
@@ -164,7 +179,7 @@ def _last_words(lines: list[str], n: int = 3) -> list[str]:
 def _failure_message(script: str, output: str, agent_code: int) -> tuple[str, int | None, str, int]:
     """(message, failing rank, its traceback, its exit code) for a failed job."""
     rank, tb = _failing_rank(output)
-    causes = [c for c in _root_causes(output) if c["rank"] == rank]
+    causes = [c for c in _failures(output) if c["rank"] == rank and "exitcode" in c]
     code = causes[0]["exitcode"] if causes else agent_code
     sig = causes[0].get("signal") if causes else None
     where = f"rank {rank}" if rank is not None else "a rank"
@@ -206,13 +221,16 @@ def _agent_commands(script: Path, nproc: int, nnodes: int, port: int, run_id: st
                     restarts: int = 0, reaped: bool = True) -> list[list]:
     # Each cold agent runs under nanodist.reaper: if this process dies, however it dies, the reaper ends the
     # agent, its workers and whatever they started (Linux; elsewhere the agent runs directly). A warm agent's
-    # server does the same for all of them.
+    # server does the same for all of them, and forks the ranks too: torchrun starts nanodist/rank_client.py
+    # (standard library only, `-S`: no site-packages to scan) for each rank, which has the server fork it.
     from . import reaper as _reaper
     # run as a file, not `-m nanodist.reaper`: that would import the package, and with it torch (2 s a launch)
     reaper = [sys.executable, _reaper.__file__, "--"] if reaped and _reaper.available() else []
     base = reaper + [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                      f"--max-restarts={restarts}", "--tee=3"]
     tail = [str(script), *map(str, args)]
+    if not reaped:
+        tail = ["--no-python", sys.executable, "-S", "-u", str(Path(__file__).with_name("rank_client.py")), *tail]
     if nnodes == 1:
         return [base + ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}"] + tail]
     return [base + [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -264,12 +282,14 @@ class _WarmAgent:
 
 class _AgentServer:
     """This process's agent server (nanodist/agent_server.py): started at the first launch, it has imported torch
-    once and forks each launch's torchrun agent, saving the agent's own import of torch (about 1.5 s a launch).
-    Linux only; NANODIST_WARM_AGENT=0 turns it off (each launch then runs `python -m torch.distributed.run`)."""
+    once and forks each launch's torchrun agent and its ranks, saving their own imports of torch (about 2 s a
+    launch each). Linux only; NANODIST_WARM_AGENT=0 turns it off (each launch then runs `python -m
+    torch.distributed.run`, which starts `python -u script` for each rank)."""
 
     _lock = threading.Lock()  # the class's state belongs to this process: a forked child forgets it (_forget)
     _proc: subprocess.Popen | None = None
     _control: socket.socket | None = None
+    _folder: str | None = None  # the private folder of the server's rank socket
     _starter: queue.Queue | None = None
 
     @classmethod
@@ -285,7 +305,7 @@ class _AgentServer:
                 cls._control.close()
             except OSError:
                 pass
-        cls._lock, cls._proc, cls._control, cls._starter = threading.Lock(), None, None, None
+        cls._lock, cls._proc, cls._control, cls._folder, cls._starter = threading.Lock(), None, None, None, None
 
     @classmethod
     def _start(cls) -> None:
@@ -300,8 +320,7 @@ class _AgentServer:
         started = done.get()
         if isinstance(started, BaseException):
             raise started
-        proc, control = started
-        cls._proc, cls._control = proc, control
+        cls._proc, cls._control, cls._folder = started
 
     @staticmethod
     def _starter_loop(requests: queue.Queue) -> None:
@@ -309,14 +328,16 @@ class _AgentServer:
         while True:
             done = requests.get()
             try:
+                folder = tempfile.mkdtemp(prefix="nanodist-ranks-")  # mode 0700: only this user reaches the socket
+                atexit.register(_remove_folder, folder, os.getpid())  # the server removes it, unless it was killed
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 try:
-                    proc = subprocess.Popen([sys.executable, str(server), str(theirs.fileno()), str(os.getpid())],
-                                            pass_fds=[theirs.fileno()], start_new_session=True,
+                    proc = subprocess.Popen([sys.executable, str(server), str(theirs.fileno()), str(os.getpid()),
+                                             folder], pass_fds=[theirs.fileno()], start_new_session=True,
                                             stdout=subprocess.DEVNULL, stderr=None)
                 finally:
                     theirs.close()
-                done.put((proc, ours))
+                done.put((proc, ours, folder))
             except BaseException as e:  # e.g. out of file descriptors: the caller raises it, this thread goes on
                 done.put(e)
 
@@ -326,12 +347,13 @@ class _AgentServer:
         argv = cmd[cmd.index("torch.distributed.run") + 1:]
         out_r, out_w = os.pipe()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        message = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
         try:
             with cls._lock:
                 for attempt in range(2):
                     if cls._proc is None or cls._proc.poll() is not None:
                         cls._start()
+                    env = {**env, "NANODIST_RANK_SERVER": os.path.join(cls._folder, "ranks.sock")}
+                    message = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
                     try:
                         socket.send_fds(cls._control, [message], [theirs.fileno(), out_w])
                         break
@@ -366,6 +388,11 @@ class _AgentServer:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_AgentServer._forget)
+
+
+def _remove_folder(folder: str, owner: int) -> None:
+    if os.getpid() == owner:  # not in a forked child that exits through atexit
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def launch(script: str | os.PathLike, nproc: int = 2, args=(), timeout: float = 600, nnodes: int = 1,

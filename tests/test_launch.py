@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import nanodist as nd
-from nanodist.launch import _exception_line, _failing_rank, rank_lines, resolve_script
+from nanodist.launch import _exception_line, _failing_rank, _failure_message, rank_lines, resolve_script
 
 SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.dist
@@ -186,6 +186,31 @@ def test_output_parsing_finds_the_root_cause_rank():
                                "KeyError: 'lr'"]
 
 
+
+def test_a_rank_killed_by_a_signal_is_the_cause_even_when_torchrun_names_its_peer():
+    """torchrun's clock has whole seconds: a rank that lost its peer and exits in the same instant as the peer
+    that was killed can come first in its report. The killed one is the cause."""
+    output = "\n".join([
+        "[rank0]:[rank0]: Traceback (most recent call last):",
+        "[rank0]:[rank0]: RuntimeError: Connection closed by peer",
+        "[rank1]:about to die",
+        "Failures:",
+        "[1]:",
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : -9 (pid: 2048)  (SIGKILL)",
+        "------------------------------------------------------------",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 2047)",
+        "============================================================",
+    ])
+    assert _failing_rank(output)[0] == 1
+    message, rank, _, code = _failure_message("x.py", output, 1)
+    assert (rank, code) == (1, -9) and "killed by SIGKILL" in message
+    # and a rank stopped with SIGTERM (by torchrun, or another node's agent) is never the cause
+    assert _failing_rank(output.replace("(SIGKILL)", "(SIGTERM)").replace("-9", "-15"))[0] == 0
+
 # ----------------------------------------------------------------------------- the truth about failures
 
 def test_a_killed_rank_is_named_with_its_signal_not_the_rank_that_lost_its_peer(results_dir):
@@ -303,3 +328,100 @@ def test_a_launch_the_launcher_hangs_up_on_is_ended_by_the_server(tmp_path):
     server = psutil.Process(_AgentServer._proc.pid)  # and the server forgot that launch: it waits, it does not spin
     assert server.cpu_percent(interval=1.0) < 50
     assert nd.launch(SCRIPTS / "ok.py", nproc=2, timeout=120, echo=False).results["metrics"]["rank_sum"] == 1.0
+
+
+# ----------------------------------------------------------------------------- warm ranks
+
+def _seen(run_or_error) -> dict:
+    import json
+    out = {}
+    for rank, lines in rank_lines(run_or_error.output).items():
+        line = next(l for l in lines if l.startswith("SEEN "))
+        seen, preloaded = line[5:].rsplit(" PRELOADED ", 1)
+        out[rank] = {**json.loads(seen), "preloaded": preloaded == "True",
+                     "after": [l for l in lines if l in ("thread finished", "atexit ran")]}
+    return out
+
+
+def _warm_and_cold(monkeypatch, **kw):
+    """The same launch with warm ranks (forked from the agent server) and cold ones (NANODIST_WARM_AGENT=0)."""
+    def run():
+        try:
+            return nd.launch(SCRIPTS / "fresh.py", nproc=2, timeout=120, echo=False, **kw)
+        except nd.LaunchError as e:
+            return e
+    warm = run()
+    monkeypatch.setenv("NANODIST_WARM_AGENT", "0")
+    cold = run()
+    monkeypatch.delenv("NANODIST_WARM_AGENT")
+    return warm, cold
+
+
+def test_a_warm_rank_sees_what_a_fresh_interpreter_sees(results_dir, monkeypatch):
+    """Each rank of a launch is forked from the agent server, which has imported torch once (about 2 s a rank
+    saved). It must be indistinguishable from torchrun's `python -u script args` but for torch being imported
+    already: __main__, argv, sys.path, directory, environment, threads, unbuffered output, pickling of classes
+    defined in the script, non-daemon threads and atexit handlers finished at exit, exit codes, tracebacks."""
+    from nanodist.launch import _AgentServer
+    if not _AgentServer.enabled():
+        pytest.skip("warm ranks need Linux (and NANODIST_WARM_AGENT unset)")
+    args = ["--flag", "two words"]
+    warm, cold = _warm_and_cold(monkeypatch, args=args, env={"FROM_LAUNCH": "yes", "OMP_NUM_THREADS": "1"})
+    w, c = _seen(warm), _seen(cold)
+    assert [w[r].pop("preloaded") for r in (0, 1)] == [True, True]  # forked warm, both of them
+    assert [c[r].pop("preloaded") for r in (0, 1)] == [False, False]
+    assert w == c
+    assert w[0]["name"] == "__main__" and w[0]["argv"] == [str(SCRIPTS / "fresh.py"), *args]
+    assert w[0]["path0"] == str(SCRIPTS) and w[0]["threads"] == 1 and w[0]["env"] == "yes"
+    assert w[0]["unbuffered"] and w[0]["pickled"] == 3 and w[0]["after"] == ["thread finished", "atexit ran"]
+
+    for fail, code in (("exit3", 3), ("raise", 1)):
+        warm, cold = _warm_and_cold(monkeypatch, env={"FAIL": fail})
+        assert isinstance(warm, nd.LaunchError) and isinstance(cold, nd.LaunchError)
+        assert (warm.rank, warm.returncode) == (cold.rank, cold.returncode) == (1, code)
+        assert _seen(warm)[1]["after"] == _seen(cold)[1]["after"] == ["thread finished", "atexit ran"]
+        frames = [[l for l in e.traceback.splitlines() if l.lstrip().startswith("File ")] for e in (warm, cold)]
+        assert frames[0] == frames[1]  # the traceback starts in the script, not in the server that forked it
+        assert str(warm).replace("PRELOADED True", "PRELOADED False") == str(cold)  # the same message
+
+
+def test_a_launch_that_changes_an_import_time_variable_gets_fresh_ranks(results_dir):
+    """A variable read when torch is imported (here PYTHONHASHSEED; ATEN_CPU_CAPABILITY, OMP_*, MKL_*, TORCH_*
+    alike) cannot take effect in a process that imported torch already: such a launch's ranks are fresh
+    interpreters, and the variable takes effect."""
+    run = nd.launch(SCRIPTS / "fresh.py", nproc=2, timeout=120, echo=False, env={"PYTHONHASHSEED": "7"})
+    assert [s["preloaded"] for s in _seen(run).values()] == [False, False]
+
+
+def test_a_warm_ranks_stand_in_killed_by_sigkill_kills_the_rank(results_dir, tmp_path):
+    """torchrun knows a warm rank by its stand-in (nanodist/rank_client.py, which passes every signal on). A
+    SIGKILL cannot be passed on: the server sees the stand-in's socket close and kills the rank, and what it
+    started; torchrun reports the rank as killed by SIGKILL."""
+    from nanodist.launch import _AgentServer
+    if not _AgentServer.enabled():
+        pytest.skip("warm ranks need Linux (and NANODIST_WARM_AGENT unset)")
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    errors = []
+
+    def run():
+        try:
+            nd.launch(SCRIPTS / "hang.py", nproc=2, timeout=120, echo=False, env={"PID_DIR": str(pid_dir)})
+        except nd.LaunchError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    pids = wait_for_pid_files(pid_dir, 2)
+    rank1 = [int(p) for p in (pid_dir / "1.pids").read_text().split()]
+    stand_ins = [p for p in psutil.process_iter(["cmdline"])
+                 if any(a.endswith("rank_client.py") for a in p.info["cmdline"] or [])
+                 and p.environ().get("RANK") == "1" and str(pid_dir) == p.environ().get("PID_DIR")]
+    assert len(stand_ins) == 1 and stand_ins[0].pid not in pids
+    stand_ins[0].kill()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and errors and errors[0].rank == 1 and errors[0].returncode == -9
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    assert [p for p in pids + rank1 if alive(p)] == []
