@@ -1,0 +1,482 @@
+"""Scaling projections: what a data-parallel strategy does on a cluster you do not have, from parameters you can
+name -- and how well that holds against runs someone measured.
+
+    model = published("playbook_dp").model                     # a Transformer: layers, hidden, heads, FFN, vocab
+    p = project(model, CLUSTERS["dgx-h100-ib"], gpus=64, strategy="fsdp", micro_batch=1, grad_accum=4,
+                compute_efficiency=0.38, overlap=1.0)
+    p.tokens_per_s_per_gpu, p.mfu, p.step_s, p.exposed_comm_s, p.memory_GB, p.bottleneck
+
+One optimizer step, per GPU:
+
+    compute  = tokens per GPU per step x FLOPs per token / (peak FLOP/s x compute_efficiency)
+    comm     = for each collective the strategy runs: steps x latency + busbw_factor x bytes / bus bandwidth
+               (nanodist.costmodel's ring counts; bus bandwidth as nccl-tests defines it)
+    hidden   = overlap x the compute that communication can run under:
+               ddp, zero1, zero2: the gradient reduction, under the last micro-batch's backward (2/3 of its
+               compute; earlier micro-batches do not synchronise); ZeRO's parameter all-gather after the update is
+               never hidden;
+               fsdp: every all-gather and the reduce-scatter, under all the step's compute (prefetching)
+    step     = compute + comm - min(hidden, the comm that can hide)
+
+`compute_efficiency` is the fraction of the GPU's peak the model's FLOPs reach when nothing waits for the network
+(MFU of the computation alone); `overlap` (0..1) the fraction of the window communication really hides in. Neither
+comes from a datasheet: each is *calibrated*, from runs that are not the ones a projection is judged on
+(`calibrate`). Every number a projection uses says where it came from: a GPU's and a link's `source`, a
+calibration's rows. The three kinds of source: fitted to the reader's own lab runs (`Link.from_costmodel`),
+committed reference results, and published hardware figures and measurements (`published()`, cited in
+labs/results/reference/published/).
+
+Memory per GPU: the model states of nanodist.memory's ZeRO formula (mixed precision AdamW, the gradient in the
+dtype it is reduced in) plus activations (Korthikanti et al. 2022, 16-bit, flash attention: 34 s b h bytes per
+layer; with full recomputation only each layer's input, 2 s b h) and the fp32 logits of the loss (4 s b V).
+
+Latency is not modelled for the published links (their bandwidths were measured with messages of 256 MB or more,
+which fold it in): at hundreds of GPUs, small buckets and ring latency cost more than these projections say.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import costmodel
+from .memory import zero_memory_bytes
+from .results import REPO_ROOT
+
+PUBLISHED = REPO_ROOT / "labs" / "results" / "reference" / "published" / "scaling.json"
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+_RING = {"all_reduce": "ring_all_reduce", "reduce_scatter": "ring_reduce_scatter", "all_gather": "ring_all_gather"}
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A decoder-only transformer's shape: all a projection needs of a model."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    kv_heads: int | None = None  # None: one key/value head per query head (multi-head attention)
+    tied: bool = True  # the output layer is the token embedding
+    gated: bool = True  # a gated FFN (SwiGLU, Llama): three matrices; False: two (GPT-2)
+    source: str = ""
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Transformer {self.name!r}: {name} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads or self.heads % (self.kv_heads or self.heads):
+            raise ValueError(f"Transformer {self.name!r}: hidden ({self.hidden}) must divide into heads "
+                             f"({self.heads}), and heads into kv_heads ({self.kv_heads})")
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every token multiplies: attention's q, k, v and output projections, the FFN, the output layer."""
+        kv = self.hidden // self.heads * (self.kv_heads or self.heads)
+        per_layer = 2 * self.hidden * self.hidden + 2 * self.hidden * kv + (3 if self.gated else 2) * self.hidden * self.ffn
+        return self.layers * per_layer + self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Every parameter: the matmul weights, the token embedding unless tied, two RMSNorm gains a layer and a final one."""
+        return self.matmul_params + (0 if self.tied else self.vocab * self.hidden) + (2 * self.layers + 1) * self.hidden
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, forward and backward: 6 per matmul weight, plus attention's 12 L h s (PaLM,
+        appendix B; the same count as nanodist.model.GPT.flops_per_token)."""
+        return 6 * self.matmul_params + 12 * self.layers * self.hidden * self.seq_len
+
+    def activation_bytes(self, micro_batch: int, recompute: bool = False) -> float:
+        """Bytes of activations kept for the backward of one micro-batch: 34 s b h a layer (16-bit, flash
+        attention: no s x s scores kept), or 2 s b h (each layer's input) with full recomputation; plus the fp32
+        logits of the loss, 4 s b V."""
+        sbh = self.seq_len * micro_batch * self.hidden
+        return self.layers * sbh * (2 if recompute else 34) + 4 * self.seq_len * micro_batch * self.vocab
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float  # dense bf16 tensor-core rate, FLOP/s
+    memory_GB: float  # HBM, 10^9 bytes
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a ring collective reaches over a kind of link: bus bandwidth per GPU (nccl-tests' busbw; time =
+    busbw_factor x bytes / busbw) and a latency per ring step."""
+
+    name: str
+    busbw_GBps: float
+    latency_s: float = 0.0
+    source: str = ""
+
+    def __post_init__(self):
+        if not self.busbw_GBps > 0 or self.latency_s < 0:
+            raise ValueError(f"Link {self.name!r}: need busbw_GBps > 0 and latency_s >= 0, "
+                             f"got {self.busbw_GBps!r} and {self.latency_s!r}")
+
+    def time(self, collective: str, size_bytes: float, gpus: int) -> float:
+        """Seconds one ring `collective` (all_reduce, reduce_scatter, all_gather) of `size_bytes` takes on `gpus`."""
+        if collective not in _RING:
+            raise ValueError(f"collective must be one of {', '.join(_RING)}, got {collective!r}")
+        return costmodel.CostModel.from_link(_RING[collective], self.latency_s, self.busbw_GBps).predict(size_bytes, gpus)
+
+    @classmethod
+    def from_costmodel(cls, model: costmodel.CostModel, name: str | None = None) -> "Link":
+        """The link a fitted alpha-beta model measured (nanodist.costmodel.fit_results of a lab02 run)."""
+        return cls(name or f"{model.backend} on {model.device}", model.bandwidth_GBps, model.alpha_s,
+                   source=f"fitted: {model.algorithm} on {model.backend} ({model.device}), {model.n_points} "
+                          f"sizes at {model.world_size} ranks")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs in nodes: one link inside a node, another across nodes -- a bus bandwidth, or one measured for each
+    number of nodes (`by_nodes`, interpolated between the node counts measured, never beyond them)."""
+
+    name: str
+    gpu: GPU
+    gpus_per_node: int
+    intra: Link
+    inter: Link | None = None
+    by_nodes: tuple = ()  # ((nodes, busbw GB/s), ...): measured, for every node count from 1 up
+    source: str = ""
+
+    def link(self, gpus: int) -> Link:
+        """The link a ring over `gpus` GPUs runs at: the node's own for one node; across nodes, the measured
+        bandwidth at that node count, else the slower of the node's link and the network's."""
+        if not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+        nodes = math.ceil(gpus / self.gpus_per_node)
+        if nodes == 1:
+            return self.intra
+        if self.by_nodes:
+            measured = dict(self.by_nodes)
+            if nodes in measured:
+                return Link(f"{self.name}, {nodes} nodes (measured)", measured[nodes], source=self.source)
+            counts = sorted(measured)
+            if nodes > counts[-1]:
+                raise ValueError(f"{self.name}: bandwidth measured for 1 to {counts[-1]} nodes, not {nodes} "
+                                 f"({gpus} GPUs): a projection there would extrapolate a measurement")
+            lo = max(c for c in counts if c < nodes)
+            hi = min(c for c in counts if c > nodes)
+            w = math.log(nodes / lo) / math.log(hi / lo)  # log-log between the node counts measured
+            bw = math.exp((1 - w) * math.log(measured[lo]) + w * math.log(measured[hi]))
+            return Link(f"{self.name}, {nodes} nodes (interpolated)", bw, source=self.source)
+        if self.inter is None:
+            raise ValueError(f"{self.name}: one node of {self.gpus_per_node} GPUs, no network: {gpus} GPUs do not fit")
+        slower = min((self.intra, self.inter), key=lambda link: link.busbw_GBps)
+        return Link(f"{self.intra.name} + {self.inter.name}", slower.busbw_GBps,
+                    max(self.intra.latency_s, self.inter.latency_s), source=slower.source)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One projected configuration. Every field is a projection, not a measurement."""
+
+    model: str
+    cluster: str
+    strategy: str
+    gpus: int
+    micro_batch: int
+    grad_accum: int
+    link: Link
+    tokens_per_gpu_step: int
+    compute_s: float
+    comm_s: float  # all communication of one step, hidden or not
+    exposed_comm_s: float  # what the step waits for
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    memory_GB: float
+    fits: bool
+    collectives: dict = field(repr=False, default_factory=dict)  # collective -> bytes each one moves per step
+
+    @property
+    def bottleneck(self) -> str:
+        """"memory" if the states and activations do not fit, "communication" when the step waits for the network
+        at least a tenth of its time, else "compute"."""
+        if not self.fits:
+            return "memory"
+        return "communication" if self.exposed_comm_s >= 0.1 * self.step_s else "compute"
+
+    def row(self) -> dict:
+        """A table row, rounded for reading."""
+        return {"strategy": self.strategy, "GPUs": self.gpus, "link": self.link.name,
+                "micro-batch x accumulation": f"{self.micro_batch} x {self.grad_accum}",
+                "step (s)": round(self.step_s, 3), "exposed comm (s)": round(self.exposed_comm_s, 3),
+                "tokens/s/GPU": round(self.tokens_per_s_per_gpu), "MFU %": round(100 * self.mfu, 1),
+                "memory/GPU (GB)": round(self.memory_GB, 1), "bottleneck": self.bottleneck}
+
+
+def communication(strategy: str, params: int, gpus: int, link: Link, micro_batches: int = 1,
+                  grad_bytes: float = 4, param_bytes: float = 2) -> dict:
+    """Seconds of each collective `strategy` runs in one optimizer step on `gpus` ranks, and which of them can hide
+    under compute: {"hideable": [...], "exposed": [...]} of (collective, bytes, seconds).
+
+        ddp     all-reduce the gradients once (the last micro-batch)          hideable
+        zero1   reduce-scatter the gradients; all-gather the updated params   hideable; exposed
+        zero2   as zero1 (the gradient shard is all that is kept)             hideable; exposed
+        fsdp    all-gather the params for forward and again for backward of
+                every micro-batch; reduce-scatter the gradients once          all hideable
+    Gradients move in `grad_bytes` per element, parameters in `param_bytes`.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    grads, weights = params * grad_bytes, params * param_bytes
+
+    def op(collective: str, size: float, times: int = 1) -> tuple:
+        return collective, times * size, times * link.time(collective, size, gpus)
+
+    if strategy == "ddp":
+        return {"hideable": [op("all_reduce", grads)], "exposed": []}
+    if strategy in ("zero1", "zero2"):
+        return {"hideable": [op("reduce_scatter", grads)], "exposed": [op("all_gather", weights)]}
+    return {"hideable": [op("all_gather", weights, 2 * micro_batches), op("reduce_scatter", grads)], "exposed": []}
+
+
+def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micro_batch: int, grad_accum: int,
+            compute_efficiency: float, overlap: float, grad_bytes: float = 4, param_bytes: float = 2,
+            recompute: bool = False) -> Projection:
+    """Project one optimizer step of `strategy` on `gpus` GPUs of `cluster` (see the module's docstring)."""
+    for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 0 < compute_efficiency <= 1 or not 0 <= overlap <= 1:
+        raise ValueError(f"need 0 < compute_efficiency <= 1 and 0 <= overlap <= 1, "
+                         f"got {compute_efficiency!r} and {overlap!r}")
+    link = cluster.link(gpus)
+    tokens = micro_batch * grad_accum * model.seq_len
+    compute = tokens * model.flops_per_token() / (cluster.gpu.peak_flops * compute_efficiency)
+    comm = communication(strategy, model.params, gpus, link, grad_accum, grad_bytes, param_bytes) if gpus > 1 \
+        else {"hideable": [], "exposed": []}
+    hideable = sum(s for _, _, s in comm["hideable"])
+    exposed = sum(s for _, _, s in comm["exposed"])
+    window = compute if strategy == "fsdp" else compute / grad_accum * 2 / 3  # the last micro-batch's backward
+    waits = exposed + hideable - min(overlap * window, hideable)
+    step = compute + waits
+    states = zero_memory_bytes(model.params, gpus, _STAGE[strategy], param_bytes=param_bytes, grad_bytes=grad_bytes,
+                               optim_bytes_per_param=12)["total"]
+    memory = (states + model.activation_bytes(micro_batch, recompute)) / 1e9
+    return Projection(
+        model=model.name, cluster=cluster.name, strategy=strategy, gpus=gpus, micro_batch=micro_batch,
+        grad_accum=grad_accum, link=link, tokens_per_gpu_step=tokens, compute_s=compute,
+        comm_s=hideable + exposed, exposed_comm_s=waits, step_s=step, tokens_per_s_per_gpu=tokens / step,
+        mfu=tokens / step * model.flops_per_token() / cluster.gpu.peak_flops, memory_GB=memory,
+        fits=memory <= cluster.gpu.memory_GB,
+        collectives={c: b for c, b, _ in comm["hideable"] + comm["exposed"]})
+
+
+# ----------------------------------------------------------------------------- calibration and checking
+
+@dataclass(frozen=True)
+class Calibration:
+    """compute_efficiency and overlap, and the measured rows they were taken from (never the judged ones)."""
+
+    compute_efficiency: float
+    overlap: float | None  # None: no calibration row can tell (its communication hides either way)
+    rows: tuple
+    how: str
+
+
+def calibrate(model: Transformer, cluster: Cluster, strategy: str, rows, grad_bytes: float = 4,
+              param_bytes: float = 2, overlap: float | None = None) -> Calibration:
+    """compute_efficiency and overlap from measured rows (gpus, micro_batch, grad_accum, tokens_per_s_per_gpu, ...).
+
+    The anchor is the row whose communication is the smallest share of its step. For each overlap in [0, 1]
+    (steps of 0.01), the compute efficiency is the one that makes the anchor's projected step exactly its
+    measured one; the overlap kept is the one whose projections of all rows have the least squared log error.
+    The overlap is None when the rows cannot tell (one row, or the error the same for every overlap): then
+    calibrate again with overlap= given (0 and 1 bracket what any overlap would project).
+    """
+    rows = [tuple(r) for r in rows]
+    if not rows:
+        raise ValueError("calibrate: no measured rows")
+
+    def comm(r) -> tuple[float, float]:
+        c = communication(strategy, model.params, r[0], cluster.link(r[0]), r[2], grad_bytes, param_bytes) \
+            if r[0] > 1 else {"hideable": [], "exposed": []}
+        return sum(x[2] for x in c["hideable"]), sum(x[2] for x in c["exposed"])
+
+    def step(r) -> float:
+        return r[1] * r[2] * model.seq_len / r[3]
+
+    anchor = min(rows, key=lambda r: sum(comm(r)) / step(r))
+    hideable, exposed = comm(anchor)
+    k = 1.0 if strategy == "fsdp" else 2 / 3 / anchor[2]  # the hiding window, as a fraction of the compute
+
+    def efficiency(overlap: float) -> float:
+        compute = step(anchor) - exposed  # everything hides (overlap x window >= hideable) ...
+        if overlap * k * compute < hideable:  # ... or only overlap x window of it does
+            compute = (step(anchor) - exposed - hideable) / (1 - overlap * k)
+        if compute <= 0:
+            raise ValueError(f"calibrate: the anchor row {anchor} is faster than its communication alone")
+        return anchor[1] * anchor[2] * model.seq_len * model.flops_per_token() / (cluster.gpu.peak_flops * compute)
+
+    def error(overlap: float) -> float:
+        e = efficiency(overlap)
+        return sum(math.log(project(model, cluster, r[0], strategy, r[1], r[2], min(e, 1.0), overlap, grad_bytes,
+                                    param_bytes).tokens_per_s_per_gpu / r[3]) ** 2 for r in rows)
+
+    share = 100 * (hideable + exposed) / step(anchor)
+    source = (f"compute efficiency from the {anchor[0]}-GPU row (micro-batch {anchor[1]} x {anchor[2]}), whose "
+              f"communication is {share:.1f} % of its step; overlap ")
+    if overlap is not None:
+        if not 0 <= overlap <= 1:
+            raise ValueError(f"calibrate: overlap must be in [0, 1], got {overlap!r}")
+        return Calibration(efficiency(overlap), overlap, tuple(rows), source + f"{overlap:g}, given")
+    grid = [i / 100 for i in range(101)]
+    errors = [error(o) for o in grid]
+    best = grid[errors.index(min(errors))]
+    tells = max(errors) - min(errors) > 1e-6
+    how = source + (f"{best:.2f}: least squares over {len(rows)} rows" if tells else
+                     "undetermined: the rows project alike whatever it is")
+    return Calibration(efficiency(best if tells else 0.0), best if tells else None, tuple(rows), how)
+
+
+def check(model: Transformer, cluster: Cluster, strategy: str, judged, calibration: Calibration,
+          grad_bytes: float = 4, param_bytes: float = 2, tolerance: float = 0.20) -> list[dict]:
+    """Project every judged row with the calibrated parameters and compare: one dict per row, with the
+    residual (projected / measured - 1) and whether it is within `tolerance`."""
+    o = calibration.overlap
+    if o is None:
+        raise ValueError("check: the calibration could not determine the overlap; calibrate with overlap= given "
+                         "(0 and 1 bracket it)")
+    if any(tuple(r) in calibration.rows for r in judged):
+        raise ValueError("check: a judged row is one the parameters were calibrated on; judge other rows")
+    out = []
+    for r in judged:
+        p = project(model, cluster, r[0], strategy, r[1], r[2], calibration.compute_efficiency, o, grad_bytes,
+                    param_bytes)
+        residual = p.tokens_per_s_per_gpu / r[3] - 1
+        out.append({"GPUs": r[0], "micro-batch x accumulation": f"{r[1]} x {r[2]}", "measured tokens/s/GPU": r[3],
+                    "projected": round(p.tokens_per_s_per_gpu), "residual %": round(100 * residual, 1),
+                    "within": abs(residual) <= tolerance, "exposed comm (s)": round(p.exposed_comm_s, 3),
+                    "step (s)": round(p.step_s, 3)})
+    return out
+
+
+# ----------------------------------------------------------------------------- published figures
+
+GPUS = {
+    "H100 SXM": GPU("H100 SXM", 989e12, 80, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3"),
+    "H100 PCIe": GPU("H100 PCIe", 756e12, 80, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16, 80 GB HBM2e"),
+    "H100 96GB": GPU("H100 96GB", 989e12, 96, "torchtitan's benchmark GPUs (Grand Teton: 96 GB HBM2e, 500 W); "
+                                             "its MFU uses the SXM peak, as here"),
+}
+NVLINK = Link("NVLink 4 (NVSwitch)", 370.0, source="nccl-tests #212: ~370 GB/s ring bus bandwidth on 8 x H100 "
+                                                  "(450 GB/s line rate less ~20 % protocol)")
+IB_NDR_8 = Link("InfiniBand NDR, 8 x 400 Gb/s a node", 8 * 46.0,
+                source="nccl-tests #290/#267: 46-49 GB/s per 400 Gb/s NIC; a ring over nodes with one NIC per GPU "
+                       "reaches the node's 8 NICs together")
+PCIE_GEN5 = Link("PCIe Gen5 x16 (no NVLink)", 0.8 * 64,
+                 source="assumed: 64 GB/s per direction (PCIe Gen5 x16 line rate) less 20 % protocol, "
+                        "as NVLink loses; not a measurement")
+IB_NDR_1 = Link("InfiniBand NDR, 1 x 400 Gb/s a node", 46.0, source="nccl-tests #290/#267: 46-49 GB/s per 400 Gb/s NIC")
+
+CLUSTERS = {
+    "dgx-h100-ib": Cluster("DGX H100, InfiniBand", GPUS["H100 SXM"], 8, NVLINK, IB_NDR_8,
+                           source="NVLink inside a node, 8 NDR NICs a node (DGX H100)"),
+    "pcie-h100": Cluster("8 x H100 PCIe, one NIC", GPUS["H100 PCIe"], 8, PCIE_GEN5, IB_NDR_1,
+                         source="PCIe only inside a node, one NDR NIC a node"),
+    "grand-teton-h100": Cluster("Grand Teton H100 (torchtitan)", GPUS["H100 96GB"], 8, NVLINK,
+                                Link("RDMA, 400 Gb/s a GPU", 8 * 46.0, source="torchtitan: 'backend RDMA network with "
+                                     "400 Gb/s per GPU'; 46 GB/s per 400 Gb/s NIC (nccl-tests #290)"),
+                                source="torchtitan's benchmark hosts"),
+}
+
+
+@dataclass(frozen=True)
+class PointSet:
+    """A published point set: its model, cluster, measured rows (calibration and judged) and citation."""
+
+    name: str
+    model: Transformer
+    cluster: Cluster
+    strategy: str
+    calibration: tuple
+    judged: tuple
+    columns: tuple
+    about: str
+    citation: str
+    settings: dict
+
+
+def published(name: str | None = None, path: Path = PUBLISHED):
+    """The published point sets of labs/results/reference/published/scaling.json ("playbook_dp",
+    "torchtitan_fsdp"), or all of them as a dict."""
+    data = json.loads(Path(path).read_text())
+    clusters = dict(CLUSTERS)
+    clusters["playbook-h100-efa"] = Cluster(
+        "Playbook's H100 cluster (EFA)", GPUS["H100 SXM"], 8,
+        Link("NVLink, 1 node (measured)", dict(data["playbook_allreduce_busbw_GBps"]["by_nodes"])[1],
+             source=data["sources"]["playbook"]),
+        by_nodes=tuple(tuple(r) for r in data["playbook_allreduce_busbw_GBps"]["by_nodes"]),
+        source="measured all-reduce bus bandwidth at 256 MB by node count: " + data["sources"]["playbook"])
+    sets = {}
+    for key, strategy in (("playbook_dp", "ddp"), ("torchtitan_fsdp", "fsdp")):
+        d = data[key]
+        m = dict(d["model"])
+        model = Transformer(**{**m, "source": data["sources"][m["source"]]})
+        sets[key] = PointSet(key, model, clusters[d["cluster"]], strategy,
+                             tuple(tuple(r) for r in d["calibration"]), tuple(tuple(r) for r in d["judged"]),
+                             tuple(d["columns"]), d["about"], data["sources"][d["source"]], d["settings"])
+    if name is None:
+        return sets
+    if name not in sets:
+        raise ValueError(f"no published point set {name!r}: there are {', '.join(sets)}")
+    return sets[name]
+
+
+# ----------------------------------------------------------------------------- the reader's own runs
+
+def amdahl_fit(world_sizes, speedups) -> tuple[float, float]:
+    """The serial fraction s of Amdahl's law, speedup(N) = 1 / (s + (1 - s) / N), fitted to strong-scaling
+    speedups by least squares on 1/speedup - 1/N = s (1 - 1/N); and its standard error (0 with one point).
+    Points at N = 1 carry no information and are skipped; s < 0 (superlinear) is kept, not clipped."""
+    pts = [(n, s) for n, s in zip(world_sizes, speedups) if n > 1]
+    if not pts:
+        raise ValueError("amdahl_fit: need a speedup measured at more than one rank")
+    if any(s <= 0 for _, s in pts):
+        raise ValueError(f"amdahl_fit: speedups must be positive, got {[s for _, s in pts]}")
+    xs = [1 - 1 / n for n, _ in pts]
+    ys = [1 / s - 1 / n for n, s in pts]
+    sxx = sum(x * x for x in xs)
+    serial = sum(x * y for x, y in zip(xs, ys)) / sxx
+    if len(pts) < 2:
+        return serial, 0.0
+    rss = sum((y - serial * x) ** 2 for x, y in zip(xs, ys))
+    return serial, math.sqrt(rss / (len(pts) - 1) / sxx)
+
+
+def amdahl(serial: float, world_size) -> float:
+    """Amdahl's strong-scaling speedup on `world_size` ranks with serial fraction `serial`."""
+    return 1 / (serial + (1 - serial) / world_size)
+
+
+def overlap_threshold_tokens(flops_per_token: float, params: int, peak_flops: float, busbw_GBps: float,
+                             grad_bytes: float = 2, gpus: int | None = None) -> float:
+    """Tokens per GPU per step above which DDP's gradient all-reduce can hide under the backward pass.
+
+    The backward does 4/6 of the step's FLOPs: tokens x (2/3) x flops_per_token / peak seconds; the all-reduce
+    moves busbw_factor x params x grad_bytes bytes at busbw. They are equal at
+
+        tokens* = 1.5 x busbw_factor x params x grad_bytes x peak / (flops_per_token x busbw)
+
+    and with flops_per_token ~ 6 x params, busbw_factor ~ 2 and 2-byte gradients: tokens* ~ peak / busbw (in
+    FLOP per byte), the ratio the JAX scaling book compares a batch with. gpus=None takes busbw_factor's
+    limit, 2.
+    """
+    factor = 2.0 if gpus is None else costmodel.busbw_factor("all_reduce", gpus)
+    return 1.5 * factor * params * grad_bytes * peak_flops / (flops_per_token * busbw_GBps * 1e9)
+
