@@ -3,6 +3,9 @@
     torchrun --nproc_per_node=2 labs/lab03_ddp.py                       # all of them, plus a 1-rank baseline
     torchrun --nproc_per_node=2 labs/lab03_ddp.py --impl nanodist --steps 200 --wandb
     python labs/lab03_ddp.py --impl single                              # the 1-rank reference run
+    torchrun --nproc_per_node=4 labs/lab03_ddp.py --impl nanodist --scaling strong --worlds 1 2 3 4 \
+        --total-batch 1536                                              # a scaling curve from one launch
+    torchrun --nproc_per_node=2 labs/lab03_ddp.py --impl nanodist --worlds 1 2 --micro-batches 1 4 16
 
 Every implementation trains the same tiny GPT from the same initial weights on the same data
 (nanodist.experiment builds them). --scaling weak keeps the micro-batch per rank fixed (more ranks: a
@@ -11,7 +14,9 @@ each). With --baseline (on by default for --impl all) rank 0 also trains alone, 
 while the other ranks wait: the 1-rank reference measured in the same run, on the same machine.
 
 The implementations take turns in blocks of steps (nanodist.bench), so load from elsewhere on the
-machine slows them alike. At the end the lab prints tokens/s per implementation, the throughput ratios
+machine slows them alike. --worlds and --micro-batches measure one implementation at several world sizes (on
+the launch's first N ranks, the others waiting) and micro-batch sizes, in turns, in one launch: Chapter 8's
+scaling curves and where communication stops mattering. At the end the lab prints tokens/s per implementation, the throughput ratios
 between them, and the speedup and efficiency against the 1-rank baseline, and writes them to
 labs/results/lab03_ddp/.
 """
@@ -41,6 +46,10 @@ def parse_args():
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="measure a 1-rank baseline on rank 0 first (default: on for --impl all)")
     p.add_argument("--timeline", action="store_true", help="record nanodist DDP's bucket timeline")
+    p.add_argument("--worlds", type=int, nargs="+", default=None,
+                   help="measure these world sizes in one launch, each on the first N ranks (one --impl)")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=None,
+                   help="measure these micro-batch sizes (sequences per rank), at each world size (one --impl)")
     p.add_argument("--verify", action="store_true",
                    help="also check that N ranks x micro-batch train exactly like 1 process x N micro-batches")
     experiment.add_arguments(p, total_batch_help="tokens per optimizer step (default: weak = micro-batch x seq-len "
@@ -52,6 +61,24 @@ def parse_args():
 def single_only(args, world_size):
     if world_size > 1 and args.impl == "single":
         return "--impl single is the 1-rank reference: run it without torchrun (or use --baseline)"
+    if args.worlds is None and args.micro_batches is None:
+        return None
+    if args.impl in ("all", "single") or args.verify or args.timeline:
+        return "--worlds and --micro-batches measure one data-parallel --impl (nanodist, torch, naive), " \
+               "without --verify or --timeline"
+    worlds, batches = args.worlds or [world_size], args.micro_batches or [args.micro_batch]
+    bad = [n for n in worlds if not 1 <= n <= world_size]
+    if bad:
+        return f"--worlds: {bad[0]} rank(s) cannot be formed from this launch's {world_size}: use 1 to {world_size}"
+    if any(b < 1 for b in batches) or len(set(worlds)) < len(worlds) or len(set(batches)) < len(batches):
+        return "--worlds and --micro-batches take distinct positive integers"
+    for n in worlds:
+        for b in batches:
+            total = experiment.total_batch(experiment.RunConfig.from_args(args, "cpu").replace(micro_batch=b), n)
+            if total is not None and total % (n * b * args.seq_len):
+                return (f"the total batch of {total} tokens does not split into {n} rank(s) x micro-batches of "
+                        f"{b} x {args.seq_len} tokens: give --total-batch a multiple of every world size x "
+                        f"micro-batch x seq-len")
     return None
 
 
@@ -115,11 +142,53 @@ def baseline_from_files(cfg, world_size: int, impl: str) -> dict | None:
     return None
 
 
+def sweep(args, cfg, data, group) -> None:
+    """--worlds / --micro-batches: one implementation at each world size x micro-batch, in turns; rank 0 (a
+    member of every world) records throughput, and the speedup over 1 rank at each micro-batch."""
+    worlds, batches = args.worlds or [group.size], args.micro_batches or [cfg.micro_batch]
+    subs = experiment.first_ranks(group, sorted(set(worlds)))
+    rec = Recorder("lab03_ddp", config={**vars(args), **cfg.to_dict()})
+    runs, only = {}, {}
+    for n in worlds:
+        for b in batches:
+            name = f"W={n} micro-batch={b}"
+            only[name] = n
+            if subs[n] is not None:
+                runs[name] = experiment.build(cfg.replace(micro_batch=b), data, subs[n], wrapper=args.impl, name=name)
+    nd.print0(f"== {args.impl}, {args.scaling} scaling: world sizes {worlds} x micro-batches {batches}, "
+              f"{args.steps} steps each, taking turns every {BLOCK_STEPS} steps")
+    take_turns({name: (lambda r=runs.get(name): r and r.trainer.fit(max_steps=BLOCK_STEPS)) for name in only},
+               rounds=-(-args.steps // BLOCK_STEPS), rotate=True, only=only, group=group)
+    if group.is_main:
+        rows = []
+        for n in worlds:
+            for b in batches:
+                r = experiment.summarize(runs[f"W={n} micro-batch={b}"])
+                rows.append({"world_size": n, "micro_batch": b, "grad_accum": r["grad_accum"], "params": r["params"],
+                             "tokens_per_step": r["tokens_per_step"], "median_step_s": r["median_step_s"],
+                             "tokens_per_s": r["tokens_per_s"], "step_times_s": [  # the timed ones, as the median's
+                                 h["time_s"] for h in runs[f"W={n} micro-batch={b}"].trainer.history[
+                                     experiment.WARMUP_STEPS:]]})
+        one = {row["micro_batch"]: row for row in rows if row["world_size"] == 1}
+        for row in rows:
+            if row["micro_batch"] in one:
+                row["speedup"] = row["tokens_per_s"] / one[row["micro_batch"]]["tokens_per_s"]
+                row["efficiency"] = row["speedup"] / row["world_size"]
+            nd.print0(f"W={row['world_size']} micro-batch={row['micro_batch']:>3}: {row['tokens_per_s']:9.0f} tokens/s"
+                      f"  step {1e3 * row['median_step_s']:8.2f} ms" +
+                      (f"  {args.scaling}-scaling speedup {row['speedup']:.2f}" if "speedup" in row else ""))
+        rec.metrics.update({"sweep": rows, "impl": args.impl, "scaling": args.scaling})
+    nd.print0(f"wrote {nd.results.shown(rec.save())}")
+    nd.shutdown()
+
+
 def main():
     parser, args = parse_args()
     info = experiment.start(parser, args, extra_check=single_only)
     cfg = experiment.RunConfig.from_args(args, info.device)
     group, data = info.group, experiment.load_data(cfg)
+    if args.worlds is not None or args.micro_batches is not None:
+        return sweep(args, cfg, data, group)
     impls = ["torch", "nanodist", "naive"] if args.impl == "all" else [args.impl]
     shm = experiment.use_shared_memory(cfg, group)
     if args.impl == "all" and shm:

@@ -242,6 +242,13 @@ def main(control_fd: int, launcher: int, folder: str) -> int:
         except ProcessLookupError:
             pass
 
+    def left_by(p: psutil.Process, pid: int) -> bool:
+        """Whether p is what the ended agent or rank `pid` left behind; False for a process that is gone."""
+        try:
+            return _session(p.pid) == pid or (p.ppid() == os.getpid() and p.pid not in agents and p.pid not in ranks)
+        except psutil.Error:  # it ended while we looked (with many short-lived ranks, it happens)
+            return False
+
     def reap() -> None:
         while True:
             try:
@@ -256,11 +263,12 @@ def main(control_fd: int, launcher: int, folder: str) -> int:
                 continue  # an orphan this subreaper inherited
             # what the agent or rank left: its session, and children of this server that are no agent or rank
             # (orphans adopted from one that was killed before it could end them)
-            left = [p for p in psutil.Process().children(recursive=True)
-                    if _session(p.pid) == pid
-                    or (p.ppid() == os.getpid() and p.pid not in agents and p.pid not in ranks)]
-            if left:
-                reaper.terminate_then_kill(left, reaper.GRACE_S)
+            try:
+                left = [p for p in psutil.Process().children(recursive=True) if left_by(p, pid)]
+                if left:
+                    reaper.terminate_then_kill(left, reaper.GRACE_S)
+            except Exception:  # whatever happens here, the launcher or client below gets its answer
+                traceback.print_exc()
             try:
                 reply.send(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
             except OSError:
@@ -312,18 +320,26 @@ def main(control_fd: int, launcher: int, folder: str) -> int:
             if client is not None:
                 client.close()
 
+    def survive(step, *args) -> None:
+        """One piece of the loop's work; an error in it is printed, never the end of the server (and of every
+        launch it runs)."""
+        try:
+            step(*args)
+        except Exception:
+            traceback.print_exc()
+
     while True:
         watched = [reply for pid, reply in (*agents.items(), *ranks.items()) if pid not in hung_up]
         ready, _, _ = select.select([control, ranks_listen, wake_r, *watched], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
-            reap()
+            survive(reap)
         for pid, reply in [*agents.items(), *ranks.items()]:
             if reply in ready and pid not in hung_up:  # readable: the launcher or the rank's client hung up
                 hung_up.add(pid)
-                end_agent(pid)
+                survive(end_agent, pid)
         if ranks_listen in ready:
-            start_rank()
+            survive(start_rank)
         if control not in ready:
             continue
         try:

@@ -30,15 +30,18 @@ def turn_order(names: list[str], rounds: int, rotate: bool = False) -> list[str]
 
 
 def take_turns(turns: dict[str, Callable[[], None]], rounds: int, *, rotate: bool = False, solo=(),
-               group=None, progress: Callable[[str], None] | None = None) -> None:
-    """Run every turn once per round (see turn_order). Names in `solo` run on the group's rank 0 only, the other
-    ranks waiting at a barrier meanwhile. `progress(name)` is called after each turn."""
+               only: dict[str, int] | None = None, group=None, progress: Callable[[str], None] | None = None) -> None:
+    """Run every turn once per round (see turn_order). Names in `solo` run on the group's rank 0 only, names in
+    `only` on its first only[name] ranks; the other ranks wait at a barrier meanwhile. `progress(name)` is called
+    after each turn."""
     g = Group.resolve(group)
+    ranks = {**{name: 1 for name in solo}, **(only or {})}
     for name in turn_order(list(turns), rounds, rotate):
-        if name not in solo or g.is_main:
+        n = ranks.get(name, g.size)
+        if g.rank < n:
             turns[name]()
-        if name in solo and g.size > 1:
-            dist.barrier(group=g.pg)  # the others wait out rank 0's solo turn (seconds, far below the timeout)
+        if n < g.size:
+            dist.barrier(group=g.pg)  # the others wait out the turn of the first n (seconds, far below the timeout)
         if progress is not None:
             progress(name)
 

@@ -24,7 +24,7 @@ comes from a datasheet: each is *calibrated*, from runs that are not the ones a 
 (`calibrate`). Every number a projection uses says where it came from: a GPU's and a link's `source`, a
 calibration's rows. The three kinds of source: fitted to the reader's own lab runs (`Link.from_costmodel`),
 committed reference results, and published hardware figures and measurements (`published()`, cited in
-labs/results/reference/published/).
+labs/published/).
 
 Memory per GPU: the model states of nanodist.memory's ZeRO formula (mixed precision AdamW, the gradient in the
 dtype it is reduced in) plus activations (Korthikanti et al. 2022, 16-bit, flash attention: 34 s b h bytes per
@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import costmodel
 from .memory import zero_memory_bytes
 from .results import REPO_ROOT
+from .table import Table
 
-PUBLISHED = REPO_ROOT / "labs" / "results" / "reference" / "published" / "scaling.json"
+PUBLISHED = REPO_ROOT / "labs" / "published" / "scaling.json"
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 _STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 _RING = {"all_reduce": "ring_all_reduce", "reduce_scatter": "ring_reduce_scatter", "all_gather": "ring_all_gather"}
@@ -198,6 +200,7 @@ class Projection:
     mfu: float
     memory_GB: float
     fits: bool
+    recompute: bool = False  # full activation recomputation
     collectives: dict = field(repr=False, default_factory=dict)  # collective -> bytes each one moves per step
 
     @property
@@ -214,7 +217,8 @@ class Projection:
                 "micro-batch x accumulation": f"{self.micro_batch} x {self.grad_accum}",
                 "step (s)": round(self.step_s, 3), "exposed comm (s)": round(self.exposed_comm_s, 3),
                 "tokens/s/GPU": round(self.tokens_per_s_per_gpu), "MFU %": round(100 * self.mfu, 1),
-                "memory/GPU (GB)": round(self.memory_GB, 1), "bottleneck": self.bottleneck}
+                "memory/GPU (GB)": round(self.memory_GB, 1), "recompute": self.recompute,
+                "bottleneck": self.bottleneck}
 
 
 def communication(strategy: str, params: int, gpus: int, link: Link, micro_batches: int = 1,
@@ -258,6 +262,8 @@ def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micr
     link = cluster.link(gpus)
     tokens = micro_batch * grad_accum * model.seq_len
     compute = tokens * model.flops_per_token() / (cluster.gpu.peak_flops * compute_efficiency)
+    if recompute:  # the forward runs again in the backward: 8 FLOPs per weight and token where 6 were counted
+        compute *= 4 / 3
     comm = communication(strategy, model.params, gpus, link, grad_accum, grad_bytes, param_bytes) if gpus > 1 \
         else {"hideable": [], "exposed": []}
     hideable = sum(s for _, _, s in comm["hideable"])
@@ -273,7 +279,7 @@ def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micr
         grad_accum=grad_accum, link=link, tokens_per_gpu_step=tokens, compute_s=compute,
         comm_s=hideable + exposed, exposed_comm_s=waits, step_s=step, tokens_per_s_per_gpu=tokens / step,
         mfu=tokens / step * model.flops_per_token() / cluster.gpu.peak_flops, memory_GB=memory,
-        fits=memory <= cluster.gpu.memory_GB,
+        fits=memory <= cluster.gpu.memory_GB, recompute=recompute,
         collectives={c: b for c, b, _ in comm["hideable"] + comm["exposed"]})
 
 
@@ -359,7 +365,7 @@ def check(model: Transformer, cluster: Cluster, strategy: str, judged, calibrati
         p = project(model, cluster, r[0], strategy, r[1], r[2], calibration.compute_efficiency, o, grad_bytes,
                     param_bytes)
         residual = p.tokens_per_s_per_gpu / r[3] - 1
-        out.append({"GPUs": r[0], "micro-batch x accumulation": f"{r[1]} x {r[2]}", "measured tokens/s/GPU": r[3],
+        out.append({"GPUs": r[0], "micro-batch x accumulation": f"{r[1]} x {r[2]}", "measured tokens/s/GPU": round(r[3]),
                     "projected": round(p.tokens_per_s_per_gpu), "residual %": round(100 * residual, 1),
                     "within": abs(residual) <= tolerance, "exposed comm (s)": round(p.exposed_comm_s, 3),
                     "step (s)": round(p.step_s, 3)})
@@ -413,7 +419,7 @@ class PointSet:
 
 
 def published(name: str | None = None, path: Path = PUBLISHED):
-    """The published point sets of labs/results/reference/published/scaling.json ("playbook_dp",
+    """The published point sets of labs/published/scaling.json ("playbook_dp",
     "torchtitan_fsdp"), or all of them as a dict."""
     data = json.loads(Path(path).read_text())
     clusters = dict(CLUSTERS)
@@ -459,6 +465,36 @@ def amdahl_fit(world_sizes, speedups) -> tuple[float, float]:
     return serial, math.sqrt(rss / (len(pts) - 1) / sxx)
 
 
+def serial_fraction(sweep: list[dict], max_world: int | None = None, draws: int = 1000, seed: int = 0) -> dict:
+    """Amdahl's serial fraction from a strong-scaling sweep (lab03 --worlds: rows with world_size, median_step_s
+    and the timed step_times_s, the same global batch at every world size), fitted on the world sizes up to
+    `max_world` (the machine's cores: beyond them ranks wait for a core, which Amdahl's law does not model).
+    Its uncertainty is a bootstrap: the steps of every world size resampled `draws` times, the fit redone, the
+    standard deviation of the fits. Returns {"serial", "stderr", "worlds"}."""
+    rows = sorted((r for r in sweep if max_world is None or r["world_size"] <= max_world), key=lambda r: r["world_size"])
+    if not rows or rows[0]["world_size"] != 1 or len(rows) < 2:
+        raise ValueError("serial_fraction: need the 1-rank run and at least one more world size "
+                         f"{'up to ' + str(max_world) + ' ' if max_world else ''}in the sweep")
+
+    def fit(steps: list[float]) -> float:
+        return amdahl_fit([r["world_size"] for r in rows], [steps[0] / t for t in steps])[0]
+
+    serial = fit([r["median_step_s"] for r in rows])
+    rng = random.Random(seed)
+    fits = []
+    for _ in range(draws):
+        medians = []
+        for r in rows:
+            times = r["step_times_s"]
+            sample = sorted(rng.choice(times) for _ in times)
+            medians.append(sample[len(sample) // 2] if len(sample) % 2 else
+                           (sample[len(sample) // 2 - 1] + sample[len(sample) // 2]) / 2)
+        fits.append(fit(medians))
+    mean = sum(fits) / len(fits)
+    stderr = math.sqrt(sum((f - mean) ** 2 for f in fits) / (len(fits) - 1))
+    return {"serial": serial, "stderr": stderr, "worlds": [r["world_size"] for r in rows]}
+
+
 def amdahl(serial: float, world_size) -> float:
     """Amdahl's strong-scaling speedup on `world_size` ranks with serial fraction `serial`."""
     return 1 / (serial + (1 - serial) / world_size)
@@ -480,3 +516,94 @@ def overlap_threshold_tokens(flops_per_token: float, params: int, peak_flops: fl
     factor = 2.0 if gpus is None else costmodel.busbw_factor("all_reduce", gpus)
     return 1.5 * factor * params * grad_bytes * peak_flops / (flops_per_token * busbw_GBps * 1e9)
 
+
+
+# ----------------------------------------------------------------------------- choosing a strategy
+
+MODELS = {
+    "Playbook 1B": Transformer("Playbook 1B", 16, 2048, 32, 8192, 131072, 4096,
+                               source="the Playbook's benchmark model (nanotron's scaling_benchmarks.py)"),
+    "Llama 2 7B": Transformer("Llama 2 7B", 32, 4096, 32, 11008, 32000, 4096, tied=False,
+                              source="Touvron et al. 2023, Llama 2 (its 7B configuration)"),
+    "Llama 3.1 8B": Transformer("Llama 3.1 8B", 32, 4096, 32, 14336, 128256, 8192, kv_heads=8, tied=False,
+                                source="torchtitan's llama3_8b configuration"),
+    "Llama 3 70B": Transformer("Llama 3 70B", 80, 8192, 64, 28672, 128256, 8192, kv_heads=8, tied=False,
+                               source="Grattafiori et al. 2024, The Llama 3 Herd of Models (its 70B configuration)"),
+}
+
+
+def best_strategy(model: Transformer, cluster: Cluster, gpus: int, global_batch_tokens: int,
+                  compute_efficiency: float, overlap: float, strategies=STRATEGIES) -> Projection | None:
+    """The fastest strategy that fits in memory for a global batch of `global_batch_tokens` (micro-batches of
+    one sequence, accumulated to the batch; with or without full recomputation, which costs a forward pass),
+    or None when nothing fits or the batch gives a GPU less than one sequence. Of strategies within 1 % of the
+    fastest, the simplest wins (DDP before ZeRO before FSDP; no recomputation before recomputation)."""
+    per_gpu = global_batch_tokens // (gpus * model.seq_len)
+    if per_gpu < 1:
+        return None
+    fits = [p for recompute in (False, True)
+            for p in [project(model, cluster, gpus, s, 1, per_gpu, compute_efficiency, overlap,
+                              recompute=recompute) for s in strategies] if p.fits]
+    if not fits:
+        return None
+    fastest = max(p.tokens_per_s_per_gpu for p in fits)
+    # within 1 % of the fastest, the simplest: the first strategy in STRATEGIES' order, without recomputation
+    near = [p for p in fits if p.tokens_per_s_per_gpu >= 0.99 * fastest]
+    return min(near, key=lambda p: (p.recompute, strategies.index(p.strategy)))
+
+
+def strategy_table(model: Transformer, cluster: Cluster, gpus: int, micro_batch: int, grad_accum: int,
+                   compute_efficiency: float, overlap: float, recompute: bool = False):
+    """One projected row per strategy for the same configuration (a nanodist.table.Table)."""
+    return Table(project(model, cluster, gpus, s, micro_batch, grad_accum, compute_efficiency, overlap,
+                         recompute=recompute).row() for s in STRATEGIES)
+
+
+def calculator(model: str = "Llama 2 7B", cluster: str = "dgx-h100-ib", gpus: int = 64, micro_batch: int = 1,
+               grad_accum: int = 4, compute_efficiency: float = 0.38, overlap: float = 1.0):
+    """An ipywidgets what-if calculator: a model, a cluster, a number of GPUs, the batch, the compute efficiency
+    and the overlap; it shows `strategy_table` for the choice -- every strategy, projected. Display it in
+    JupyterLab or Jupyter Notebook (it needs a live kernel); its text form is a one-line summary."""
+    import ipywidgets as w
+
+    strategy_table(MODELS[model], CLUSTERS[cluster], gpus, micro_batch, grad_accum, compute_efficiency, overlap)
+    controls = {
+        "model": w.Dropdown(options=list(MODELS), value=model, description="model"),
+        "cluster": w.Dropdown(options=list(CLUSTERS), value=cluster, description="cluster"),
+        "gpus": w.SelectionSlider(options=sorted({2 ** k for k in range(3, 14)} | {gpus}), value=gpus,
+                                  description="GPUs", continuous_update=False),
+        "micro_batch": w.IntSlider(value=micro_batch, min=1, max=16, description="micro-batch",
+                                   continuous_update=False),
+        "grad_accum": w.IntSlider(value=grad_accum, min=1, max=64, description="accumulation",
+                                  continuous_update=False),
+        "compute_efficiency": w.FloatSlider(value=compute_efficiency, min=0.1, max=0.8, step=0.01,
+                                            description="compute eff.", continuous_update=False),
+        "overlap": w.FloatSlider(value=overlap, min=0.0, max=1.0, step=0.05, description="overlap",
+                                 continuous_update=False),
+    }
+    result = w.HTML()
+
+    def choice() -> dict:
+        c = {k: v.value for k, v in controls.items()}
+        return {**c, "model": MODELS[c["model"]], "cluster": CLUSTERS[c["cluster"]]}
+
+    def summary() -> str:  # short: ipywidgets cuts a widget's text form at 110 characters
+        c = {k: v.value for k, v in controls.items()}
+        return f"{c['model']} on {c['gpus']} GPUs of {c['cluster']}, micro-batch {c['micro_batch']} x {c['grad_accum']}"
+
+    def update(_=None) -> None:
+        try:
+            table = strategy_table(**choice())._repr_html_()
+        except ValueError as e:
+            table = f"<p><b>{e}</b></p>"
+        result.value = f"<p>{summary()}: projections, not measurements</p>{table}"
+
+    for control in controls.values():
+        control.observe(update, names="value")
+    update()
+
+    class ScalingCalculator(w.VBox):
+        def __repr__(self) -> str:
+            return f"scaling calculator: {summary()}"
+
+    return ScalingCalculator(list(controls.values()) + [result])

@@ -89,6 +89,11 @@ def test_speedup_against_an_earlier_one_rank_run(results_dir):
     (["--steps", "2"], "--steps must be more than 3"),
     (["--micro-batch", "512", "--seq-len", "512"], "token stream too small"),
     (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
+    (["--worlds", "1"], "--worlds and --micro-batches measure one data-parallel --impl"),
+    (["--impl", "nanodist", "--worlds", "1", "2"], "2 rank(s) cannot be formed from this launch's 1"),
+    (["--impl", "nanodist", "--micro-batches", "2", "2"], "distinct positive integers"),
+    (["--impl", "nanodist", "--scaling", "strong", "--total-batch", "64", "--micro-batches", "3"],
+     "the total batch of 64 tokens does not split into 1 rank(s) x micro-batches of 3 x 16 tokens"),
 ])
 def test_bad_input_is_a_clear_message(results_dir, args, message):
     out = run_lab(SMALL + ["--impl", "single"] + args, results_dir)
@@ -117,3 +122,19 @@ def test_wandb_gets_one_complete_run_per_implementation(results_dir, tmp_path):
     assert len(runs) == 5  # single, torch, nanodist, nanodist-pg, naive: one each, from rank 0 only
     for run in runs:
         assert [row["_step"] for row in wandb_history(run)] == [0, 1, 2, 3, 4]
+
+
+def test_one_launch_measures_several_world_sizes_and_micro_batches(results_dir):
+    """--worlds / --micro-batches (Chapter 8): every world size x micro-batch trained in turns on the launch's
+    first N ranks; strong scaling keeps the global batch, so fewer ranks accumulate more micro-steps."""
+    run = nd.launch("lab03_ddp", nproc=2, timeout=120, echo=False,
+                    args=SMALL + ["--impl", "nanodist", "--scaling", "strong", "--total-batch", "128",
+                                  "--worlds", "1", "2", "--micro-batches", "1", "2"])
+    rows = run.results["metrics"]["sweep"]
+    assert [(r["world_size"], r["micro_batch"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert [r["grad_accum"] for r in rows] == [8, 4, 4, 2]  # 128 tokens = world x micro-batch x 16 x accumulation
+    assert all(len(r["step_times_s"]) == 5 - 3 and r["params"] > 0 for r in rows)  # the timed steps, after warm-up
+    one = {r["micro_batch"]: r["tokens_per_s"] for r in rows if r["world_size"] == 1}
+    for r in rows:
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / one[r["micro_batch"]])
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["world_size"])

@@ -150,3 +150,19 @@ def test_bad_input_is_named(kwargs, match):
         S.Transformer("odd", layers=1, hidden=100, heads=3, ffn=4, vocab=4, seq_len=4)
     with pytest.raises(ValueError, match="no published point set"):
         S.published("nope")
+
+
+def test_the_serial_fraction_of_a_sweep_comes_with_a_bootstrap_error_and_only_the_cores_it_had():
+    import random
+    rng = random.Random(1)
+    one = 0.100  # seconds a step at 1 rank; Amdahl with s = 0.2 at 2 and 3, a collapse at 4 (more ranks than cores)
+    truth = {1: one, 2: one * (0.2 + 0.8 / 2), 3: one * (0.2 + 0.8 / 3), 4: one * 2}
+    sweep = [{"world_size": n, "step_times_s": [t * rng.uniform(0.97, 1.03) for _ in range(12)]} for n, t in truth.items()]
+    for row in sweep:
+        row["median_step_s"] = sorted(row["step_times_s"])[5] / 2 + sorted(row["step_times_s"])[6] / 2
+    fit = S.serial_fraction(sweep, max_world=3)
+    assert fit["worlds"] == [1, 2, 3] and 0 < fit["stderr"] < 0.05 and abs(fit["serial"] - 0.2) < 3 * fit["stderr"]
+    assert S.serial_fraction(sweep, max_world=3) == fit  # seeded: the same on every run
+    assert S.serial_fraction(sweep)["serial"] > 0.5  # the collapse at 4, fitted, would say "mostly serial"
+    with pytest.raises(ValueError, match="1-rank run and at least one more"):
+        S.serial_fraction(sweep, max_world=1)

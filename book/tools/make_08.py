@@ -1,0 +1,641 @@
+"""Writes book/08_scaling.ipynb (unexecuted): Chapter 8's cells, kept as code so the chapter can be reviewed in diffs.
+
+    python book/tools/make_08.py && jupyter nbconvert --to notebook --execute --inplace book/08_scaling.ipynb
+"""
+from chapter_cells import HIDDEN, SOLUTION, MACHINE, Chapter  # noqa: F401  (book/tools/chapter_cells.py)
+
+chapter = Chapter()
+md, code, exercise = chapter.md, chapter.code, chapter.exercise
+
+md(r"""
+# 8. Scaling: from your laptop to 1,024 GPUs
+
+Every chapter so far measured one small machine. The question a reader brings to a real cluster is
+different: *what will this do on 64 GPUs, or 1,024, and which strategy should I use?* This chapter answers
+it with a model of one training step that you can check: it is built from the formulas of Chapters 2–5,
+its parameters come from places you can name, and it is judged against measurements someone else
+published, which it never saw while its parameters were set.
+
+By the end of the chapter you will be able to:
+- take a training step apart into compute, communication and the part of the communication that hides
+  under the backward pass, for {term}`DDP`, {term}`ZeRO`-1/2 and {term}`FSDP`;
+- say where each number of a projection comes from: a datasheet, a published measurement, or a run of
+  your own;
+- calibrate a projection on some measured runs and judge it on others, and read the residuals;
+- fit Amdahl's law to your own strong-scaling runs and say what its serial fraction means;
+- say when communication hides behind compute, from the ratio of a GPU's FLOP/s to its link's bandwidth,
+  and find that point on your own machine;
+- choose a strategy for a model on a cluster, and say what would change the choice.
+
+Every number about a GPU cluster in this chapter is a **projection** unless a table says *measured*
+and names who measured it.
+
+**The code:** [`nanodist/scaling.py`](@REPOSITORY_URL@/blob/main/nanodist/scaling.py) on [`nanodist/costmodel.py`](@REPOSITORY_URL@/blob/main/nanodist/costmodel.py) and [`nanodist/memory.py`](@REPOSITORY_URL@/blob/main/nanodist/memory.py); **the lab:** [`labs/lab03_ddp.py`](@REPOSITORY_URL@/blob/main/labs/lab03_ddp.py) with `--worlds` and `--micro-batches`.
+""")
+
+code("""
+import inspect
+import math
+
+import matplotlib.pyplot as plt
+from IPython.display import Markdown
+from myst_nb import glue
+
+import nanodist as nd
+from nanodist import costmodel, plots, scaling
+from nanodist.exercises import check, compare, expect
+from nanodist.results import Table, hardware_fingerprint, load_all, provenance
+from nanodist.scaling import CLUSTERS, GPUS, MODELS, calibrate, project, published
+
+
+def caption(name, record):
+    \"\"\"Glue a figure's provenance line (machine, backend, world size, torch, date) for the text below it.\"\"\"
+    glue(name, Markdown(f"*{provenance(record)}*"), display=False)
+""")
+
+md(r"""
+## One step, taken apart
+
+A data-parallel step on $N$ GPUs does three things: each GPU computes the forward and backward pass of its
+share of the batch, the GPUs exchange gradients (and, for ZeRO and FSDP, parameters), and each updates
+its weights. `nanodist.scaling.project` puts a number on each:
+
+$$
+t_\text{compute} = \frac{\text{tokens per GPU per step} \times \text{FLOPs per token}}{\text{peak FLOP/s} \times e},
+\qquad
+t_\text{comm} = \sum_\text{collectives} \frac{\text{busbw factor} \times \text{bytes}}{\text{bus bandwidth}}
+$$
+
+$$
+t_\text{step} = t_\text{compute} + t_\text{comm} - \min\left(\rho \times \text{window},\; t_\text{hideable}\right)
+$$
+
+- FLOPs per token are Chapter 3's $6 \times$ (weights in matmuls) plus attention's $12 L h s$;
+- the collectives and their bytes are Chapter 4's and 5's: DDP all-reduces the gradients; ZeRO-1/2
+  reduce-scatter them and all-gather the updated parameters; FSDP all-gathers the parameters for the forward
+  and again for the backward of every {term}`micro-batch`, and reduce-scatters the gradients; the busbw factor is
+  Chapter 2's, $2(N-1)/N$ for an all-reduce and $(N-1)/N$ for the others;
+- $e$, the **compute efficiency**, is the fraction of the peak the model's FLOPs reach when nothing waits for
+  the network: no datasheet gives it;
+- the **window** is the compute that communication can run under: for DDP and ZeRO, the backward of the
+  last micro-batch (two thirds of its compute: earlier micro-batches do not synchronise, Chapter 3's
+  `no_sync`), for FSDP the whole step (it {term}`prefetch`es); ZeRO's all-gather after the update never hides;
+- $\rho$, the **overlap**, is the fraction of that window the network really gets (0: none, 1: all of it).
+
+Here is one projection taken apart: the Ultra-Scale Playbook's 1-billion-parameter model {cite}`tazi2025playbook`
+in DDP on 64 H100s, with $e = 0.38$ and $\rho = 1$ chosen by hand for the example.
+""")
+
+code(r"""
+one_b = MODELS["Playbook 1B"]
+p = project(one_b, CLUSTERS["dgx-h100-ib"], gpus=64, strategy="ddp", micro_batch=1, grad_accum=4,
+            compute_efficiency=0.38, overlap=1.0)
+Table([
+    {"quantity": "parameters", "value": f"{one_b.params / 1e9:.3f} B"},
+    {"quantity": "FLOPs per token", "value": f"{one_b.flops_per_token() / 1e9:.2f} G"},
+    {"quantity": "tokens per GPU per step", "value": p.tokens_per_gpu_step},
+    {"quantity": "compute (s)", "value": round(p.compute_s, 3)},
+    {"quantity": "gradient all-reduce (s), all of it", "value": round(p.comm_s, 3)},
+    {"quantity": "window: last micro-batch's backward (s)", "value": round(p.compute_s / 4 * 2 / 3, 3)},
+    {"quantity": "exposed communication (s)", "value": round(p.exposed_comm_s, 3)},
+    {"quantity": "step (s)", "value": round(p.step_s, 3)},
+    {"quantity": "tokens/s per GPU", "value": round(p.tokens_per_s_per_gpu)},
+    {"quantity": "MFU", "value": f"{100 * p.mfu:.1f} %"},
+    {"quantity": "memory per GPU (GB)", "value": round(p.memory_GB, 1)},
+])
+""")
+
+md(r"""
+All of it is arithmetic you can redo by hand (`tests/test_scaling.py` does, for set-ups this chapter does
+not show). The hard part is not the arithmetic: it is the four numbers it cannot do without, the peak,
+the bandwidth, $e$ and $\rho$.
+
+## Where the numbers come from
+
+A projection is only as good as its inputs, so each one carries its source. The GPUs' peaks and the
+links' bandwidths come from datasheets and from measurements their makers published:
+""")
+
+code(r"""
+Table([{"GPU": g.name, "peak bf16 (TFLOP/s)": g.peak_flops / 1e12, "memory (GB)": g.memory_GB, "source": g.source}
+       for g in GPUS.values()])
+""")
+
+code(r"""
+links = {c.intra.name: c.intra for c in CLUSTERS.values()} | {c.inter.name: c.inter for c in CLUSTERS.values()}
+Table([{"link": link.name, "bus bandwidth (GB/s)": round(link.busbw_GBps, 1), "source": link.source}
+       for link in links.values()])
+""")
+
+md(r"""
+A link's *{term}`bus bandwidth`* is what nccl-tests reports as `busbw`: the rate at which a ring collective moves
+data through each GPU's link (Chapter 2). It is below the line rate ({term}`NVLink`'s 450 GB/s each way gives about
+370 GB/s of ring bus bandwidth: protocol overhead). Across nodes with one network card per GPU, a ring
+crosses between nodes through all eight cards of a node at once, so eight 400 Gb/s cards give about
+eight times 46 GB/s. One number in the table is an assumption, and says so: a PCIe-only box's ring
+bandwidth.
+
+$e$ and $\rho$ have no datasheet. They are properties of a software stack on a machine: kernels, fusion,
+how the gradient buckets are scheduled. So they are **calibrated**: set from measured runs. The rule that
+makes a check honest is that the runs a projection is judged on are never the runs it was calibrated on.
+
+## Checked against published measurements
+
+### The Ultra-Scale Playbook's data-parallel benchmark
+
+The Playbook's figure *Throughput Scaling with Data Parallelism* trains its 1B model with pure data
+parallelism on nodes of 8 H100s, holding the global batch fixed. Its interactive benchmark data holds the
+set-up of every bar (micro-batch and accumulation) and three more pure-DP runs of the same model that are not
+in the figure. Those three are the calibration rows; the six bars are judged.
+""")
+
+code(r"""
+pb = published("playbook_dp")
+print(pb.about)
+print("source:", pb.citation)
+print("model:", pb.model)
+print("settings:", pb.settings)
+Table({"nodes": g // 8, "GPUs": g, "micro-batch x accumulation": f"{mb} x {ga}", "measured tokens/s/GPU": round(tok),
+       "role": role} for role, rows in (("calibration", pb.calibration), ("judged", pb.judged))
+      for g, mb, ga, tok, *_ in rows)
+""")
+
+md(r"""
+The network is the Playbook's own measurement of its cluster: all-reduce bandwidth at 256 MB for 1 to 64
+nodes (NVLink inside a node, AWS EFA across). It is not a datasheet figure, and it matters, as the end of
+this section shows.
+""")
+
+code(r"""
+Table({"nodes": n, "GPUs": 8 * n, "all-reduce bus bandwidth (GB/s), measured": bw} for n, bw in pb.cluster.by_nodes)
+""")
+
+md(r"""
+Calibrating takes the calibration row whose communication is the smallest share of its step (8 GPUs,
+32 micro-batches: its step barely waits for the network) to set $e$, and tries every $\rho$ from 0 to 1 on
+all three rows:
+""")
+
+code(r"""
+cal = calibrate(pb.model, pb.cluster, pb.strategy, pb.calibration)
+print(cal.how)
+print(f"compute efficiency e = {cal.compute_efficiency:.3f}, overlap rho = {cal.overlap:.2f}")
+for g, mb, ga, tok, *_ in pb.calibration:
+    q = project(pb.model, pb.cluster, g, pb.strategy, mb, ga, cal.compute_efficiency, cal.overlap)
+    print(f"  calibration row {g:>3} GPUs, {mb} x {ga:>2}: measured {tok:>6}, projected {q.tokens_per_s_per_gpu:7.0f} "
+          f"({100 * (q.tokens_per_s_per_gpu / tok - 1):+.0f} %)")
+glue("pb_e", cal.compute_efficiency, display=False)
+glue("pb_rho", cal.overlap, display=False)
+odd = max(pb.calibration, key=lambda r: abs(math.log(project(pb.model, pb.cluster, r[0], "ddp", r[1], r[2],
+                                                             cal.compute_efficiency, cal.overlap).tokens_per_s_per_gpu / r[3])))
+glue("pb_odd", Markdown(f"{odd[0]} GPUs with micro-batches of {odd[1]}"), display=False)
+glue("pb_odd_ratio", project(pb.model, pb.cluster, odd[0], "ddp", odd[1], odd[2], cal.compute_efficiency,
+                             cal.overlap).tokens_per_s_per_gpu / odd[3], display=False)
+""")
+
+md(r"""
+$\rho$ comes out {glue:text}`pb_rho:.2f`: on that cluster and stack, the gradient all-reduce did not hide under
+the backward. Nothing here says why (the Playbook's prose expects overlap to break down only at larger scale);
+it is what its own runs show. One calibration row, {glue:md}`pb_odd`, is {glue:text}`pb_odd_ratio:.1f` times
+slower than the projection: the model cannot explain it, and no setting of $e$ or $\rho$ would without
+spoiling the others.
+
+Now the six bars, projected with these two numbers fixed:
+""")
+
+code(r"""
+judged = scaling.check(pb.model, pb.cluster, pb.strategy, pb.judged, cal)
+assert all(r["within"] for r in judged), judged
+worst = max(judged, key=lambda r: abs(r["residual %"]))
+glue("pb_worst", Markdown(f"{worst['residual %']:+.1f} % at {worst['GPUs']} GPUs"), display=False)
+last = project(pb.model, pb.cluster, 256, "ddp", 1, 1, cal.compute_efficiency, cal.overlap)
+glue("pb_last", Markdown(f"each GPU computes one sequence ({last.compute_s:.2f} s) and then waits for an all-reduce "
+                         f"of {last.collectives['all_reduce'] / 1e9:.1f} GB of fp32 gradients at "
+                         f"{last.link.busbw_GBps:.0f} GB/s ({last.comm_s:.2f} s)"), display=False)
+Table(judged)
+""")
+
+code(r"""
+fig, ax = plt.subplots(figsize=(6.4, 3.2))
+gpus = [r["GPUs"] for r in judged]
+ax.plot(gpus, [r["measured tokens/s/GPU"] for r in judged], "o-", color=plots.PALETTE[0], label="measured (Playbook)")
+ax.plot(gpus, [r["projected"] for r in judged], "s--", color=plots.PALETTE[1], label="projected (calibrated on other runs)")
+ax.fill_between(gpus, [0.8 * r["measured tokens/s/GPU"] for r in judged], [1.2 * r["measured tokens/s/GPU"] for r in judged],
+                color=plots.PALETTE[0], alpha=0.12, label="±20 % of measured")
+ax.set(xscale="log", xlabel="GPUs (8 per node)", ylabel="tokens/s per GPU", ylim=(0, None),
+       title="Playbook 1B, pure data parallelism")
+ax.set_xticks(gpus, [str(g) for g in gpus])
+ax.spines[["top", "right"]].set_visible(False)
+plots.legend_below(ax)
+plots.show(fig)
+""")
+
+md(r"""
+Every bar is within ±20 %, the worst {glue:md}`pb_worst`. The fall in throughput is the network: at 256 GPUs
+{glue:md}`pb_last`.
+
+Now the same projection with the network's *datasheet* rate instead of the Playbook's measurement: a
+p5.48xlarge node has 3,200 Gb/s of EFA, 400 GB/s, about what NVLink gives. Same calibration rows, same
+rule:
+""")
+
+code(r"""
+datasheet = scaling.Cluster("p5 datasheet: EFA 3,200 Gb/s", GPUS["H100 SXM"], 8, pb.cluster.intra,
+                            scaling.Link("EFA, 400 GB/s", 400.0, source="AWS p5.48xlarge: 3,200 Gbps EFA"))
+cal_ds = calibrate(pb.model, datasheet, pb.strategy, pb.calibration)
+ds = scaling.check(pb.model, datasheet, pb.strategy, pb.judged, cal_ds)
+assert not all(r["within"] for r in ds)
+glue("ds_missed", Markdown(", ".join(f"{r['residual %']:+.0f} % at {r['GPUs']} GPUs" for r in ds if not r["within"])),
+     display=False)
+Table({"GPUs": a["GPUs"], "measured": a["measured tokens/s/GPU"], "measured link: projected": a["projected"],
+       "residual %": a["residual %"], "datasheet link: projected": b["projected"], "residual % ": b["residual %"]}
+      for a, b in zip(judged, ds))
+""")
+
+md(r"""
+With the datasheet the projection misses: {glue:md}`ds_missed`. EFA's measured all-reduce bandwidth falls
+with the number of nodes (the table above), and a datasheet says nothing of that. **Measure your network** (nccl-tests, or Lab 2 on yours) before you trust a
+projection across nodes.
+
+What the projection does not hold: the memory. The Playbook's benchmark data gives each run's memory per
+GPU; the formula (model states plus activations and logits) comes out lower:
+""")
+
+code(r"""
+mem = [{"GPUs": g, "micro-batch": mb, "measured (GB)": m,
+        "projected (GB)": round(project(pb.model, pb.cluster, g, "ddp", mb, ga, cal.compute_efficiency, 0.0).memory_GB, 1)}
+       for g, mb, ga, tok, mfu, m in pb.judged]
+short = [1 - r["projected (GB)"] / r["measured (GB)"] for r in mem]
+assert all(s > 0 for s in short)
+glue("mem_short", Markdown(f"{100 * min(short):.0f} to {100 * max(short):.0f} %"), display=False)
+Table(mem)
+""")
+
+md(r"""
+Short by {glue:md}`mem_short`: the formula leaves out what a real stack adds, DDP's gradient buckets (a second copy of
+the gradients), the fp32 accumulation buffers next to the {term}`bf16` gradients, the allocator's fragmentation.
+Memory projections are a floor, not an estimate: leave a quarter of the GPU free.
+
+### torchtitan's FSDP at 8 and 128 GPUs
+
+The second point set: torchtitan's published table for Llama 3.1 8B with FSDP on 8 and on 128 H100s (96 GB
+parts, 400 Gb/s per GPU across hosts), local batch 2 sequences of 8,192 tokens, eager mode
+{cite}`liang2025torchtitan`. Its one calibration row (8 GPUs) cannot tell $\rho$: its communication hides or
+not alike. So both ends are checked:
+""")
+
+code(r"""
+tt = published("torchtitan_fsdp")
+print(tt.about)
+rows = []
+for overlap in (0.0, 1.0):
+    c = calibrate(tt.model, tt.cluster, tt.strategy, tt.calibration, overlap=overlap)
+    for r in scaling.check(tt.model, tt.cluster, tt.strategy, tt.judged, c):
+        rows.append({"overlap": overlap, "e": round(c.compute_efficiency, 3), **r})
+assert all(r["within"] for r in rows)
+glue("tt_worst", max(abs(r["residual %"]) for r in rows), display=False)
+Table(rows)
+""")
+
+md(r"""
+Within {glue:text}`tt_worst:.1f` % either way: at 16,384 tokens per GPU per step an 8B model's FSDP traffic (8 bytes a parameter:
+two bf16 all-gathers and an fp32 reduce-scatter) is a small fraction of the step even with no overlap at
+all, on a network of eight 400 Gb/s cards a node. That is the other lesson of these two point sets: a
+small model with few tokens per GPU is bound by the network; a large one with many is not.
+
+## Your machine: strong scaling, weak scaling and Amdahl
+
+On your machine nothing is published: everything is measured. Lab 3 can measure several world sizes in one
+launch (`--worlds 1 2 3 4`: each world size on the launch's first $N$ ranks while the others wait), in
+turns, so the machine's background load falls on all of them alike. **Strong scaling** keeps the global
+batch fixed (here 12 sequences a step, which 1, 2, 3 and 4 ranks divide); **weak scaling** keeps each rank's
+work fixed (here 12 sequences a step on every rank), so $N$ ranks do $N$ times the work per step. At one
+rank the two are the same run.
+""")
+
+code(r"""
+LAB = ["--impl", "nanodist", "--model", "small", "--seq-len", "64", "--steps", "20", "--no-progress"]
+# strong: 12 sequences a step in all, in micro-batches of 1; weak: 12 sequences a step on every rank
+strong = nd.launch("lab03_ddp", nproc=4, echo=False, args=LAB + ["--scaling", "strong", "--micro-batch", "1",
+                                                                 "--worlds", "1", "2", "3", "4", "--total-batch", str(12 * 64)])
+weak = nd.launch("lab03_ddp", nproc=4, echo=False, args=LAB + ["--scaling", "weak", "--micro-batch", "12",
+                                                               "--worlds", "1", "2", "3", "4"])
+at2 = {kind: next(r["speedup"] for r in run.results["metrics"]["sweep"] if r["world_size"] == 2)
+       for kind, run in (("strong", strong), ("weak", weak))}
+glue("strong_2", at2["strong"], display=False)
+glue("weak_2", at2["weak"], display=False)
+caption("prov_scaling", strong.results)
+print("\n".join(strong.lines(0)[1:] + weak.lines(0)[1:-1]))
+sweeps = {"strong": strong.results["metrics"]["sweep"], "weak": weak.results["metrics"]["sweep"]}
+assert [r["world_size"] for r in sweeps["strong"]] == [1, 2, 3, 4] and all(r["speedup"] > 0 for r in sweeps["weak"])
+cores = hardware_fingerprint()["cpu_logical_cores"]
+""", MACHINE)
+
+md(r"""
+Amdahl's law says that if a fraction $s$ of the work cannot be split, $N$ ranks give a strong-scaling
+speedup of
+
+$$ S(N) = \frac{1}{s + (1 - s)/N}. $$
+
+`scaling.serial_fraction` finds $s$ by least squares on $1/S - 1/N = s\,(1 - 1/N)$, over the world sizes
+this machine has cores for (beyond them, ranks wait for a core, which Amdahl's law does not model), and its
+uncertainty by resampling the measured steps:
+""")
+
+code(r"""
+fit = scaling.serial_fraction(sweeps["strong"], max_world=cores)
+serial, err = fit["serial"], fit["stderr"]
+glue("serial_pct", Markdown(f"{100 * serial:.0f} ± {100 * err:.0f} %"), display=False)
+glue("serial_worlds", Markdown(", ".join(map(str, fit["worlds"]))), display=False)
+assert err >= 0 and fit["worlds"] == [n for n in (1, 2, 3, 4) if n <= cores]
+print(f"serial fraction s = {serial:.3f} ± {err:.3f} (bootstrap standard error), fitted on world sizes {fit['worlds']}")
+axes = plots.scaling({
+    "strong": {"measured": {"measured": [(r["world_size"], r["speedup"]) for r in sweeps["strong"]]},
+               "predicted": {f"Amdahl, s = {serial:.2f}": lambda n: scaling.amdahl(serial, n)}},
+    "weak": {"measured": {"measured": [(r["world_size"], r["speedup"]) for r in sweeps["weak"]]}},
+}, max_ranks=4)
+for ax in axes[:, 0]:
+    ax.axvline(cores, color="#999999", lw=0.8)
+    ax.text(cores, 3.5, f" {cores} cores", fontsize=9, color="#666666")
+plots.show()
+""", MACHINE)
+
+md(r"""
+{glue:md}`prov_scaling`
+
+The serial fraction fitted here is {glue:md}`serial_pct`, from world sizes {glue:md}`serial_worlds`. It is
+the share of a step that more ranks do not shorten: the gradient all-reduce and the work every rank repeats
+(the optimizer step, the loss). Past the vertical line there are more ranks than cores: the ranks take turns
+on the cores and the speedup falls, which no serial fraction explains, so those points are shown, not
+fitted.
+
+At 2 ranks this run measured a strong-scaling speedup of {glue:text}`strong_2:.2f` and a weak-scaling one of
+{glue:text}`weak_2:.2f`. Weak scaling is the kinder of the two in principle: each rank keeps its full
+micro-batch of work while the all-reduce stays the same size, so the share of the step spent communicating
+does not grow. That is why large-scale training grows the global batch with the number of GPUs, and why
+the Playbook's benchmark, which held the global batch fixed, is strong scaling and fell apart at 256 GPUs.
+""")
+
+code(r"""
+reference = [r for r in load_all("lab03_ddp") if r.get("_reference") and "sweep" in r.get("metrics", {})]
+print(f"{len(reference)} strong/weak sweep(s) from other machines committed under labs/results/reference/lab03_ddp")
+for r in reference:
+    if r["metrics"]["scaling"] == "strong":
+        f = scaling.serial_fraction(r["metrics"]["sweep"], max_world=r["hardware"].get("cpu_logical_cores"))
+        print(f"  {provenance(r)} s = {f['serial']:.3f} ± {f['stderr']:.3f} on world sizes {f['worlds']}")
+""")
+
+md(r"""
+## When communication hides
+
+DDP's all-reduce can only hide under the backward pass, which does two thirds of a step's FLOPs. For a
+model of $P$ parameters ($6P$ FLOPs per token, roughly) on GPUs of peak $F$ FLOP/s whose ring bus
+bandwidth is $B$ bytes/s, $T$ tokens per GPU per step take $\frac{2}{3} \cdot 6PT / F$ seconds of backward,
+and an all-reduce of 2-byte gradients takes about $2 \cdot 2P / B$. They are equal at
+
+$$ T^* \approx \frac{F}{B}, $$
+
+the ratio of the GPU's arithmetic to its network, in FLOPs per byte: the same ratio the JAX scaling book
+compares a batch with {cite}`austin2025scaling`. With fewer tokens per GPU per step, the network sets the
+pace; with more, the GPU does. The model size cancels.
+""")
+
+code(r"""
+rows = []
+for name, cluster in CLUSTERS.items():
+    for label, link in (("inside a node", cluster.intra), ("across nodes", cluster.inter)):
+        t = scaling.overlap_threshold_tokens(6e9, 10**9, cluster.gpu.peak_flops, link.busbw_GBps)
+        rows.append({"cluster": cluster.name, "ring": label, "bus bandwidth (GB/s)": round(link.busbw_GBps),
+                     "T* (tokens per GPU per step)": round(t), "sequences of 4,096": round(t / 4096, 2)})
+glue("h100_tokens", rows[0]["T* (tokens per GPU per step)"], display=False)
+Table(rows)
+""")
+
+md(r"""
+On an H100 cluster over NVLink, {glue:text}`h100_tokens:.0f` tokens per GPU per step (less than one sequence
+of 4,096) are enough to hide DDP's all-reduce, provided the stack overlaps at all; the Playbook's runs show
+what happens when it does not.
+
+The same ratio for this machine, from two numbers it measured: the matrix-multiply rate of one core
+(`nanodist.perf`, what Chapter 3's {term}`MFU` divides by) and the bus bandwidth of gloo's all-reduce that
+Chapter 2 fitted:
+""")
+
+code(r"""
+import torch
+
+from nanodist.perf import measure_matmul_flops
+
+here = hardware_fingerprint()["hostname"]
+fits = [r for r in load_all("lab02_allreduce", include_reference=False) if r["world_size"] == 2 and r["device"] == "cpu"
+        and r["hardware"]["hostname"] == here and any(row["op"] == "dist.all_reduce" for row in r["metrics"]["sweep"])]
+if not fits:  # Chapter 2 ran one on this machine; if not, a short sweep
+    fits = [nd.launch("lab02_allreduce", nproc=2, echo=False,
+                      args=["--ops", "dist.all_reduce", "--min-bytes", "64K", "--max-bytes", "8M", "--repeats", "5"]).results]
+caption("prov_fit", fits[-1])
+ar = costmodel.fit_results(fits[-1], ops=["dist.all_reduce"])["dist.all_reduce"]
+threads = torch.get_num_threads()
+torch.set_num_threads(1)  # one thread, as each rank under torchrun
+try:
+    rate = measure_matmul_flops("cpu", torch.float32)
+finally:
+    torch.set_num_threads(threads)
+t_cpu = scaling.overlap_threshold_tokens(6e9, 10**9, rate, ar.bandwidth_GBps, grad_bytes=4)
+glue("cpu_gflops", rate / 1e9, display=False)
+glue("cpu_busbw", ar.bandwidth_GBps, display=False)
+glue("cpu_tokens", t_cpu, display=False)
+assert rate > 0 and ar.bandwidth_GBps > 0 and t_cpu > 0
+print(f"one thread: {rate / 1e9:.1f} GFLOP/s of fp32 matmul; gloo all-reduce: {ar.bandwidth_GBps:.2f} GB/s of bus "
+      f"bandwidth, 2 ranks; fp32 gradients: T* = {t_cpu:.0f} tokens per rank per step")
+""", MACHINE)
+
+md(r"""
+{glue:md}`prov_fit`
+
+One thread of this machine computes {glue:text}`cpu_gflops:.0f` GFLOP/s and gloo's all-reduce moves
+{glue:text}`cpu_busbw:.2f` GB/s: {glue:text}`cpu_tokens:.0f` tokens per rank per step would hide the
+fp32 gradients' all-reduce here, if the two could run at the same time. On two cores they cannot quite: the
+all-reduce's threads take the same cores as the backward, which is why Chapter 3's timeline showed buckets
+leaving during the backward but finishing after it.
+
+## Which strategy for my model on my cluster
+
+With $e$ and $\rho$ set, the projection answers the practical question: for a model, a cluster and a
+global batch, which strategy is fastest among those that fit in memory? `scaling.best_strategy` tries DDP,
+ZeRO-1, ZeRO-2 and FSDP, with and without full activation recomputation (which costs a forward pass), and
+of those within 1 % of the fastest keeps the simplest. The table is a projection, made with the Playbook
+calibration's compute efficiency ({glue:text}`pb_e:.2f`) and full overlap, what PyTorch's DDP and FSDP are built to
+reach (the Playbook's stack reached {glue:text}`pb_rho:.2f`); the global batch is $2^{23}$ tokens (about eight
+million, in the range of Llama-scale runs), in micro-batches of one sequence.
+""")
+
+code(r"""
+choices = []
+for model in ("Playbook 1B", "Llama 2 7B", "Llama 3 70B"):
+    for cluster in ("dgx-h100-ib", "pcie-h100"):
+        for gpus in (8, 64, 1024):
+            best = scaling.best_strategy(MODELS[model], CLUSTERS[cluster], gpus, 2**23, cal.compute_efficiency, 1.0)
+            row = {"model": model, "cluster": CLUSTERS[cluster].name, "GPUs": gpus}
+            if best is None:
+                row.update({"strategy": "none fits: shard the layers too (Chapter 9)"})
+            else:
+                row.update({k: v for k, v in best.row().items() if k not in ("GPUs", "link", "micro-batch x accumulation")})
+            choices.append(row)
+pick = {(c["model"], c["cluster"], c["GPUs"]): c for c in choices}
+dgx, pcie = CLUSTERS["dgx-h100-ib"].name, CLUSTERS["pcie-h100"].name
+# what the text below says of the table
+assert all(pick[("Playbook 1B", dgx, g)]["strategy"] == "ddp" and pick[("Playbook 1B", dgx, g)]["bottleneck"] == "compute"
+           for g in (8, 64, 1024))
+assert all(pick[(m, pcie, 1024)]["bottleneck"] == "communication" for m in ("Playbook 1B", "Llama 2 7B"))
+assert all(c["strategy"] != "ddp" for c in choices if c["model"] != "Playbook 1B")
+assert all(pick[("Llama 3 70B", c, 8)]["strategy"].startswith("none") for c in (dgx, pcie))
+assert all(pick[("Llama 3 70B", c, g)]["strategy"] == "fsdp" and pick[("Llama 3 70B", c, g)]["recompute"]
+           for c in (dgx, pcie) for g in (64, 1024))
+Table(choices)
+""")
+
+md(r"""
+Read it as a set of rules with reasons (the cell checks each against the table):
+- **small models: the network decides.** The 1B model trains in plain DDP on NVLink and {term}`InfiniBand` at every
+  size, its communication hidden; on PCIe boxes with one network card a node the all-reduce shows, and at
+  1,024 GPUs, with two sequences per GPU per step, communication binds whatever the strategy;
+- **mid-size models: memory decides.** DDP keeps 18 bytes a parameter on every GPU (2 for bf16 weights, 4
+  for fp32 gradients, 12 for AdamW's fp32 master copy and moments): a 7B model's states do not fit in 80 GB,
+  so ZeRO and FSDP {term}`shard` them;
+- **large models: FSDP with recomputation, and more than one node.** 70B does not fit on 8 GPUs in any
+  data-parallel form: the layers themselves must be split (tensor and pipeline parallelism, Chapter 9 and
+  the next).
+
+Set $\rho$ to the Playbook's {glue:text}`pb_rho:.2f` and the network matters far sooner; the calculator below
+lets you.
+
+### A what-if calculator
+
+In JupyterLab the cell below shows controls for the model, the cluster, the GPUs, the batch, $e$ and $\rho$,
+and projects all four strategies for the choice. The web version of this book has no Python behind the
+page, so it hides the widget; the table and chart after it are the same function, computed when the book
+was built.
+""")
+
+code(r"""
+scaling.calculator(model="Llama 2 7B", cluster="dgx-h100-ib", gpus=64, micro_batch=1, grad_accum=4,
+                   compute_efficiency=round(cal.compute_efficiency, 2), overlap=1.0)
+""", {"tags": ["remove-output"]})
+
+code(r"""
+scaling.strategy_table(MODELS["Llama 2 7B"], CLUSTERS["dgx-h100-ib"], 64, 1, 4, round(cal.compute_efficiency, 2), 1.0)
+""")
+
+code(r"""
+fig, axes = plt.subplots(1, 2, figsize=(6.8, 3.0), sharey=True)
+counts = [8, 16, 32, 64, 128, 256, 512, 1024]
+for ax, overlap in zip(axes, (1.0, 0.0)):
+    for i, strategy in enumerate(scaling.STRATEGIES):
+        ys = [project(MODELS["Llama 2 7B"], CLUSTERS["pcie-h100"], g, strategy, 1, max(1, 2**23 // (g * 4096)),
+                      cal.compute_efficiency, overlap).tokens_per_s_per_gpu for g in counts]
+        wide = strategy == "zero1"  # ZeRO-1 and ZeRO-2 move the same bytes: drawn wide, under ZeRO-2
+        ax.plot(counts, ys, "o-", ms=3, lw=4 if wide else 1.5, alpha=0.5 if wide else 1, color=plots.PALETTE[i],
+                label=strategy + (" (= zero2 in time)" if wide else ""))
+    ax.set(xscale="log", xlabel="GPUs", title=f"overlap {overlap:g}")
+    ax.set_xticks([8, 64, 512], ["8", "64", "512"])
+    ax.spines[["top", "right"]].set_visible(False)
+axes[0].set(ylabel="tokens/s per GPU (projected)")
+fig.suptitle("Llama 2 7B on PCIe H100 boxes, one NIC a node: a projection", fontsize=10, y=1.04)
+plots.legend_below(axes[0], ncol=2)
+plots.show(fig)
+""")
+
+md(r"""
+Memory is not in the chart (DDP would not fit a 7B model at all); the chart is about time only, to show
+how the network punishes each strategy when nothing overlaps: FSDP moves 1.5 times DDP's bytes and hides
+them all when it can, and suffers most when it cannot.
+
+## Exercises
+""")
+
+chapter.predict(
+    "8.1",
+    "Llama 2 7B (6.7 B parameters) with DDP on 64 H100 PCIe GPUs, one NIC a node, micro-batches of one "
+    "sequence, 4 accumulated, compute efficiency 0.38, full overlap. What is the projection's bottleneck: "
+    "`\"compute\"`, `\"communication\"` or `\"memory\"`? Write `prediction = \"...\"`, then run the cell after it.",
+    "prediction = ...   # \"compute\", \"communication\" or \"memory\"",
+    "measured = project(MODELS[\"Llama 2 7B\"], CLUSTERS[\"pcie-h100\"], 64, \"ddp\", 1, 4, 0.38, 1.0).bottleneck",
+    "Before the network: how many bytes a parameter does DDP keep on every GPU, in mixed precision with AdamW?",
+    "# 2 (bf16 weights) + 4 (fp32 gradients) + 12 (fp32 master copy and two moments) = 18 bytes a parameter:\n"
+    "# 6.7e9 x 18 = 121 GB on every GPU, more than an H100's 80 GB, before a single activation\n"
+    "prediction = \"memory\"",
+)
+
+chapter.predict(
+    "8.2",
+    "Take the Playbook's calibrated projection (the `cal` above) and its 256-GPU configuration (micro-batch 1, "
+    "accumulation 1). If the stack overlapped the all-reduce completely ($\\rho = 1$) instead of not at all, by how "
+    "many percent would the projected tokens/s per GPU rise? Write `prediction = <percent>` (a whole number), then "
+    "run the cell after it.",
+    "prediction = ...   # percent more tokens/s per GPU with overlap 1 than with overlap 0, a whole number",
+    "base, full = (project(pb.model, pb.cluster, 256, \"ddp\", 1, 1, cal.compute_efficiency, o).step_s for o in (0.0, 1.0))\n"
+    "measured = round(100 * (base / full - 1))",
+    "The residual table above has the 256-GPU step and its exposed communication. Which part of a step can the "
+    "all-reduce hide under, and how long is it here?",
+    "# compute 0.104 s; the all-reduce 0.165 s; the window is the backward, 2/3 x 0.104 = 0.069 s: at most that hides.\n"
+    "# step 0.268 s -> 0.199 s: 0.268 / 0.199 - 1 = +35 %\n"
+    "prediction = 35",
+)
+
+exercise(
+    "8.3",
+    "An A100 does 312 TFLOP/s in bf16. Its nodes have NVLink 3 (say 230 GB/s of ring bus bandwidth) and one "
+    "200 Gb/s HDR InfiniBand card per GPU (say 23 GB/s each, 8 a node). Using $T^* \\approx F/B$, how many "
+    "tokens per GPU per step does DDP need across nodes to hide its all-reduce? (An integer.)",
+    "round(312e12 / (8 * 23e9))",
+    "answer = ...  # tokens per GPU per step",
+    "Across nodes a ring goes through all the cards of a node at once: what is the bus bandwidth then?",
+    "answer = round(312e12 / (8 * 23e9))  # 8 cards x 23 GB/s = 184 GB/s",
+)
+
+exercise(
+    "8.4",
+    "A strong-scaling run measures a speedup of 3.2 at 4 ranks. What serial fraction $s$ does Amdahl's law "
+    "give? (Solve $S = 1 / (s + (1 - s)/N)$ for $s$; 3 decimals.)",
+    "round((1 / 3.2 - 1 / 4) / (1 - 1 / 4), 3)",
+    "answer = ...  # the serial fraction",
+    "Write 1/S - 1/N = s (1 - 1/N), as the fit does.",
+    "answer = round((1 / 3.2 - 1 / 4) / (1 - 1 / 4), 3)  # 0.083",
+)
+
+exercise(
+    "8.5",
+    "Using `project`, find the smallest number of micro-batches (accumulation, micro-batch 1) at which the Playbook 1B "
+    "in DDP on 256 GPUs of the Playbook's cluster, with the calibrated $e$ and $\\rho = 0$, reaches 30,000 tokens/s per GPU. "
+    "(Accumulating more grows the global batch: this is weak scaling.)",
+    "next(ga for ga in range(1, 65) if project(pb.model, pb.cluster, 256, 'ddp', 1, ga, cal.compute_efficiency, 0.0)"
+    ".tokens_per_s_per_gpu >= 30_000)",
+    "answer = ...  # micro-batches per step",
+    "Loop over the accumulation and stop at the first that reaches the target.",
+    "answer = next(ga for ga in range(1, 65)\n"
+    "              if project(pb.model, pb.cluster, 256, \"ddp\", 1, ga, cal.compute_efficiency, 0.0).tokens_per_s_per_gpu >= 30_000)",
+)
+
+md(r"""
+## Summary
+
+- A data-parallel step is compute, plus communication, minus what hides: compute from FLOPs per token, the
+  GPU's peak and a compute efficiency $e$; communication from Chapter 2's busbw factors, the strategy's bytes
+  and the link's bus bandwidth; hiding from a window (the last micro-batch's backward for DDP and ZeRO, the
+  whole step for FSDP) and an overlap $\rho$.
+- Peaks and bandwidths come from datasheets and published measurements; $e$ and $\rho$ from measured runs.
+  Calibrate on some runs, judge on others: the Playbook's six DP points come out within
+  {glue:md}`pb_worst` at worst with $e$ = {glue:text}`pb_e:.2f` and $\rho$ = {glue:text}`pb_rho:.0f` taken from three other runs.
+- Measure the network: a datasheet bandwidth misses the Playbook's points by up to a factor of two, because
+  real all-reduce bandwidth falls with the number of nodes.
+- Memory projections are a floor: real stacks add buffers and fragmentation.
+- Amdahl's serial fraction summarises strong scaling; on a machine with fewer cores than ranks it also
+  counts the waiting for cores. Weak scaling holds up better: grow the batch with the GPUs.
+- Communication hides when the tokens per GPU per step exceed about $F/B$, the GPU's FLOP/s over the link's
+  bytes/s: {glue:text}`h100_tokens:.0f` on H100s over NVLink, {glue:text}`cpu_tokens:.0f` on one thread of
+  this machine with gloo.
+- Small models are bound by the network, mid-size ones by memory (ZeRO, FSDP), large ones need their layers
+  split: Chapter 9.
+""")
+
+chapter.write("08_scaling.ipynb")
