@@ -96,13 +96,15 @@ def check(answer, expected: Any = None, hint: str = "", rel_tol: float = 1e-6, *
         print(f"Not quite ({answer!r}){why}. Hint: {hint}")
 
 
-def compare(prediction, measured, *, exercise: str, hint: str, rel_tol: float = 1e-6, reveal: bool = True) -> None:
+def compare(prediction, measured, *, exercise: str, hint: str, rel_tol: float = 1e-6, reveal: bool = True,
+            measured_by: str = "this machine measured") -> None:
     """A predict-then-run exercise's check: the reader's `prediction` against what their own run `measured`.
 
     Until the reader has predicted (`...`), nothing measured is shown, only what to do and the hint: the run must
     not answer the question before it is asked. Once they have, both are printed (the measurement is theirs, just
     made), with the verdict; floats agree within rel_tol, lists and tuples element-wise. reveal=False prints the
-    verdict alone: the solution's cell, whose output stays on the page when its code is folded."""
+    verdict alone: the solution's cell, whose output stays on the page when its code is folded. `measured_by` says
+    where `measured` came from ("the projection gives", for a number a model computed rather than a run)."""
     if prediction is ...:
         print(f"Exercise {exercise}: write your prediction first (replace the ...), then run this cell again. "
               f"Hint: {hint}")
@@ -111,7 +113,7 @@ def compare(prediction, measured, *, exercise: str, hint: str, rel_tol: float = 
         print("Right!" if is_right(prediction, measured, rel_tol) else f"Not quite. Hint: {hint}")
         return
     if is_right(prediction, measured, rel_tol):
-        print(f"Right! You predicted {prediction!r}; this machine measured {measured!r}.")
+        print(f"Right! You predicted {prediction!r}; {measured_by} {measured!r}.")
     else:
-        print(f"Not quite: you predicted {prediction!r}; this machine measured {measured!r}. Hint: {hint}")
+        print(f"Not quite: you predicted {prediction!r}; {measured_by} {measured!r}. Hint: {hint}")
 

@@ -56,6 +56,7 @@ LABS_DIR = REPO_ROOT / "labs"
 _PREFIX = re.compile(r"^\[rank(\d+)\]:")
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's own excepthook prefixes tracebacks once more
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_NODE_TAG = re.compile(r"^\[node\d+\] ")
 _DYING_NOISE = ("terminate called", "[W", "[E", "W1", "E1")  # C++ and glog lines from a process being torn down
 
 
@@ -119,6 +120,7 @@ def _failures(output: str) -> list[dict]:
     failures: list[dict] = []
     root = None  # None: outside a report; else whether the entries read now are torchrun's root cause
     for line in output.splitlines():
+        line = _NODE_TAG.sub("", line, count=1)  # nnodes > 1: each agent's lines carry its node
         if "Root Cause" in line:
             root = True
         elif line.strip() == "Failures:":
@@ -140,16 +142,32 @@ def _failures(output: str) -> list[dict]:
     return [f for f in failures if "rank" in f]
 
 
+# What a rank says when another rank died under it (gloo, NCCL, the TCP store): it failed because of the other.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe",
+              "NCCL communicator was aborted", "remote process exited", "DistNetworkError")
+
+
+def _lost_a_peer(lines: list[str]) -> bool:
+    """Whether a rank's last error says a peer went away (so it is not the cause of the failure)."""
+    tail = "\n".join(lines[-40:])
+    return any(p in tail for p in _PEER_LOST)
+
+
 def _failing_rank(output: str) -> tuple[int | None, str]:
     """The rank that failed first and its traceback: a rank a signal killed, if torchrun saw one fail (the ranks
     that then lost their peer fail in the same instant, and torchrun's clock, in whole seconds, cannot order
-    them); else the rank torchrun names as the root cause; else the first rank with a traceback."""
+    them); else a rank that raised an error of its own rather than one saying a peer went away; else the rank
+    torchrun names as the root cause; else the first rank with a traceback."""
     per_rank = rank_lines(output)
     failures = _failures(output)
     # SIGTERM is how torchrun (or launch) stops ranks, and how agents of other "nodes" (nnodes > 1) end
     killed = [f for f in failures if f.get("signal") not in (None, "SIGTERM")]
     roots = [f for f in failures if f["root"]]
-    real = sorted(killed, key=lambda f: not f["root"]) or [c for c in roots if c.get("signal") != "SIGTERM"] or roots
+    # of ranks that raised in the same instant, the ones whose error says a peer vanished are its victims
+    raised = sorted((f for f in failures if f.get("signal") is None), key=lambda f: not f["root"])
+    culprits = [f for f in raised if not _lost_a_peer(per_rank.get(f["rank"], []))]
+    real = (sorted(killed, key=lambda f: not f["root"]) or culprits
+            or [c for c in roots if c.get("signal") != "SIGTERM"] or roots)
     rank = real[0]["rank"] if real else None
     if rank is None:
         with_tb = [r for r, lines in per_rank.items() if any(l.startswith("Traceback") for l in lines)]

@@ -11,11 +11,13 @@ One optimizer step, per GPU:
     compute  = tokens per GPU per step x FLOPs per token / (peak FLOP/s x compute_efficiency)
     comm     = for each collective the strategy runs: steps x latency + busbw_factor x bytes / bus bandwidth
                (nanodist.costmodel's ring counts; bus bandwidth as nccl-tests defines it)
-    hidden   = overlap x the compute that communication can run under:
-               ddp, zero1, zero2: the gradient reduction, under the last micro-batch's backward (2/3 of its
-               compute; earlier micro-batches do not synchronise); ZeRO's parameter all-gather after the update is
-               never hidden;
-               fsdp: every all-gather and the reduce-scatter, under all the step's compute (prefetching)
+    hidden   = overlap x the compute that communication can run under (`window`):
+               ddp, zero1: the gradient reduction, once a step, under the last micro-batch's backward (2/3 of its
+               compute; earlier micro-batches do not synchronise, and keep whole gradients);
+               zero2: a reduce-scatter under every micro-batch's backward (only the shard of the gradient is kept);
+               ZeRO's parameter all-gather after the update is never hidden;
+               fsdp: two all-gathers and a reduce-scatter every micro-batch, under all the step's compute
+               (prefetching); with full recomputation the backward is 3/4 of the compute, not 2/3
     step     = compute + comm - min(hidden, the comm that can hide)
 
 `compute_efficiency` is the fraction of the GPU's peak the model's FLOPs reach when nothing waits for the network
@@ -27,8 +29,9 @@ committed reference results, and published hardware figures and measurements (`p
 labs/published/).
 
 Memory per GPU: the model states of nanodist.memory's ZeRO formula (mixed precision AdamW, the gradient in the
-dtype it is reduced in) plus activations (Korthikanti et al. 2022, 16-bit, flash attention: 34 s b h bytes per
-layer; with full recomputation only each layer's input, 2 s b h) and the fp32 logits of the loss (4 s b V).
+dtype it is reduced in) plus activations (`Transformer.activation_bytes`: what each layer keeps for its backward
+in 16 bits, counted as Korthikanti et al. 2022 do, with flash attention; with full recomputation only each
+layer's input) and the loss's logits.
 
 Latency is not modelled for the published links (their bandwidths were measured with messages of 256 MB or more,
 which fold it in): at hundreds of GPUs, small buckets and ring latency cost more than these projections say.
@@ -73,9 +76,12 @@ class Transformer:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Transformer {self.name!r}: {name} must be a positive integer, got {value!r}")
+        if self.kv_heads is not None and (not isinstance(self.kv_heads, int) or self.kv_heads < 1):
+            raise ValueError(f"Transformer {self.name!r}: kv_heads must be a positive integer or None, "
+                             f"got {self.kv_heads!r}")
         if self.hidden % self.heads or self.heads % (self.kv_heads or self.heads):
-            raise ValueError(f"Transformer {self.name!r}: hidden ({self.hidden}) must divide into heads "
-                             f"({self.heads}), and heads into kv_heads ({self.kv_heads})")
+            raise ValueError(f"Transformer {self.name!r}: heads ({self.heads}) must divide hidden ({self.hidden}), "
+                             f"and kv_heads ({self.kv_heads}) must divide heads")
 
     @property
     def matmul_params(self) -> int:
@@ -95,11 +101,22 @@ class Transformer:
         return 6 * self.matmul_params + 12 * self.layers * self.hidden * self.seq_len
 
     def activation_bytes(self, micro_batch: int, recompute: bool = False) -> float:
-        """Bytes of activations kept for the backward of one micro-batch: 34 s b h a layer (16-bit, flash
-        attention: no s x s scores kept), or 2 s b h (each layer's input) with full recomputation; plus the fp32
-        logits of the loss, 4 s b V."""
-        sbh = self.seq_len * micro_batch * self.hidden
-        return self.layers * sbh * (2 if recompute else 34) + 4 * self.seq_len * micro_batch * self.vocab
+        """Bytes one micro-batch keeps for its backward, 16-bit, counted as Korthikanti et al. (2022) count them
+        but with flash attention (no s x s scores) and no dropout, per layer:
+
+            attention   the projections' input, q, the output projection's input: 6 s b h; k and v: 4 s b kv
+            two norms   their inputs: 4 s b h
+            FFN         its input: 2 s b h; gated (SwiGLU): gate, up, activation, product: 8 s b ffn;
+                        plain (GELU): the up projection and the activation: 4 s b ffn
+
+        (GPT-2's shape, ffn = 4h: 32 s b h, Korthikanti's 34 less the dropout masks; Llama's with ffn = 4h: 48).
+        With full recomputation a layer keeps only its input, 2 s b h. Plus the loss: bf16 logits, their fp32
+        copy and its gradient, 10 s b V."""
+        sb = self.seq_len * micro_batch
+        kv = self.hidden // self.heads * (self.kv_heads or self.heads)
+        per_layer = 2 * self.hidden if recompute else \
+            12 * self.hidden + 4 * kv + (8 if self.gated else 4) * self.ffn
+        return self.layers * sb * per_layer + 10 * sb * self.vocab
 
 
 @dataclass(frozen=True)
@@ -151,6 +168,11 @@ class Cluster:
     inter: Link | None = None
     by_nodes: tuple = ()  # ((nodes, busbw GB/s), ...): measured, for every node count from 1 up
     source: str = ""
+
+    def __post_init__(self):
+        counts = [n for n, _ in self.by_nodes]
+        if self.by_nodes and (counts[0] != 1 or counts != sorted(set(counts))):
+            raise ValueError(f"Cluster {self.name!r}: by_nodes must start at 1 node and grow, got node counts {counts}")
 
     def link(self, gpus: int) -> Link:
         """The link a ring over `gpus` GPUs runs at: the node's own for one node; across nodes, the measured
@@ -227,10 +249,12 @@ def communication(strategy: str, params: int, gpus: int, link: Link, micro_batch
     under compute: {"hideable": [...], "exposed": [...]} of (collective, bytes, seconds).
 
         ddp     all-reduce the gradients once (the last micro-batch)          hideable
-        zero1   reduce-scatter the gradients; all-gather the updated params   hideable; exposed
-        zero2   as zero1 (the gradient shard is all that is kept)             hideable; exposed
-        fsdp    all-gather the params for forward and again for backward of
-                every micro-batch; reduce-scatter the gradients once          all hideable
+        zero1   reduce-scatter the gradients once; all-gather the updated
+                parameters after the update                                   hideable; exposed
+        zero2   reduce-scatter every micro-batch's gradients (only the shard
+                is kept); all-gather the updated parameters                   hideable; exposed
+        fsdp    every micro-batch: all-gather the parameters for forward and
+                again for backward, reduce-scatter the gradients              all hideable
     Gradients move in `grad_bytes` per element, parameters in `param_bytes`.
     """
     if strategy not in STRATEGIES:
@@ -244,9 +268,20 @@ def communication(strategy: str, params: int, gpus: int, link: Link, micro_batch
 
     if strategy == "ddp":
         return {"hideable": [op("all_reduce", grads)], "exposed": []}
-    if strategy in ("zero1", "zero2"):
+    if strategy == "zero1":
         return {"hideable": [op("reduce_scatter", grads)], "exposed": [op("all_gather", weights)]}
-    return {"hideable": [op("all_gather", weights, 2 * micro_batches), op("reduce_scatter", grads)], "exposed": []}
+    if strategy == "zero2":
+        return {"hideable": [op("reduce_scatter", grads, micro_batches)], "exposed": [op("all_gather", weights)]}
+    return {"hideable": [op("all_gather", weights, 2 * micro_batches), op("reduce_scatter", grads, micro_batches)],
+            "exposed": []}
+
+
+def window(strategy: str, grad_accum: int, recompute: bool = False) -> float:
+    """The fraction of a step's compute that `strategy`'s hideable communication can run under: the backward is
+    2/3 of the compute (3/4 with full recomputation, which runs the forward again inside it); DDP and ZeRO-1 sync
+    under the last micro-batch's backward only, ZeRO-2 under every micro-batch's, FSDP under all of the compute."""
+    backward = 3 / 4 if recompute else 2 / 3
+    return {"ddp": backward / grad_accum, "zero1": backward / grad_accum, "zero2": backward, "fsdp": 1.0}[strategy]
 
 
 def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micro_batch: int, grad_accum: int,
@@ -268,8 +303,7 @@ def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micr
         else {"hideable": [], "exposed": []}
     hideable = sum(s for _, _, s in comm["hideable"])
     exposed = sum(s for _, _, s in comm["exposed"])
-    window = compute if strategy == "fsdp" else compute / grad_accum * 2 / 3  # the last micro-batch's backward
-    waits = exposed + hideable - min(overlap * window, hideable)
+    waits = exposed + hideable - min(overlap * window(strategy, grad_accum, recompute) * compute, hideable)
     step = compute + waits
     states = zero_memory_bytes(model.params, gpus, _STAGE[strategy], param_bytes=param_bytes, grad_bytes=grad_bytes,
                                optim_bytes_per_param=12)["total"]
@@ -319,19 +353,24 @@ def calibrate(model: Transformer, cluster: Cluster, strategy: str, rows, grad_by
 
     anchor = min(rows, key=lambda r: sum(comm(r)) / step(r))
     hideable, exposed = comm(anchor)
-    k = 1.0 if strategy == "fsdp" else 2 / 3 / anchor[2]  # the hiding window, as a fraction of the compute
+    k = window(strategy, anchor[2])  # the hiding window, as a fraction of the compute
 
     def efficiency(overlap: float) -> float:
         compute = step(anchor) - exposed  # everything hides (overlap x window >= hideable) ...
         if overlap * k * compute < hideable:  # ... or only overlap x window of it does
-            compute = (step(anchor) - exposed - hideable) / (1 - overlap * k)
+            compute = (step(anchor) - exposed - hideable) / (1 - overlap * k) if overlap * k < 1 else 0.0
         if compute <= 0:
-            raise ValueError(f"calibrate: the anchor row {anchor} is faster than its communication alone")
-        return anchor[1] * anchor[2] * model.seq_len * model.flops_per_token() / (cluster.gpu.peak_flops * compute)
+            raise ValueError(f"calibrate: the anchor row {anchor} is no slower than its own communication: with "
+                             f"this link and overlap {overlap:g} no compute time is left; check the link's bandwidth")
+        e = anchor[1] * anchor[2] * model.seq_len * model.flops_per_token() / (cluster.gpu.peak_flops * compute)
+        if e > 1:
+            raise ValueError(f"calibrate: the anchor row {anchor} would run at {e:.2f} x the GPU's peak: check "
+                             f"the peak ({cluster.gpu.peak_flops:.3g} FLOP/s) and the model's shape")
+        return e
 
     def error(overlap: float) -> float:
         e = efficiency(overlap)
-        return sum(math.log(project(model, cluster, r[0], strategy, r[1], r[2], min(e, 1.0), overlap, grad_bytes,
+        return sum(math.log(project(model, cluster, r[0], strategy, r[1], r[2], e, overlap, grad_bytes,
                                     param_bytes).tokens_per_s_per_gpu / r[3]) ** 2 for r in rows)
 
     share = 100 * (hideable + exposed) / step(anchor)
@@ -358,7 +397,7 @@ def check(model: Transformer, cluster: Cluster, strategy: str, judged, calibrati
     if o is None:
         raise ValueError("check: the calibration could not determine the overlap; calibrate with overlap= given "
                          "(0 and 1 bracket it)")
-    if any(tuple(r) in calibration.rows for r in judged):
+    if any(tuple(r[:3]) in {c[:3] for c in calibration.rows} for r in judged):
         raise ValueError("check: a judged row is one the parameters were calibrated on; judge other rows")
     out = []
     for r in judged:
@@ -374,11 +413,12 @@ def check(model: Transformer, cluster: Cluster, strategy: str, judged, calibrati
 
 # ----------------------------------------------------------------------------- published figures
 
+GIB = 2**30 / 1e9  # a GPU's "80 GB" is 80 GiB: 85.9 GB
 GPUS = {
-    "H100 SXM": GPU("H100 SXM", 989e12, 80, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3"),
-    "H100 PCIe": GPU("H100 PCIe", 756e12, 80, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16, 80 GB HBM2e"),
-    "H100 96GB": GPU("H100 96GB", 989e12, 96, "torchtitan's benchmark GPUs (Grand Teton: 96 GB HBM2e, 500 W); "
-                                             "its MFU uses the SXM peak, as here"),
+    "H100 SXM": GPU("H100 SXM", 989e12, 80 * GIB, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3"),
+    "H100 PCIe": GPU("H100 PCIe", 756e12, 80 * GIB, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16, 80 GB HBM2e"),
+    "H100 96GB": GPU("H100 96GB", 989e12, 96 * GIB, "torchtitan's benchmark GPUs (Grand Teton: 96 GB HBM2e, 500 W); "
+                                                   "its MFU uses the SXM peak, as here"),
 }
 NVLINK = Link("NVLink 4 (NVSwitch)", 370.0, source="nccl-tests #212: ~370 GB/s ring bus bandwidth on 8 x H100 "
                                                   "(450 GB/s line rate less ~20 % protocol)")
@@ -428,7 +468,8 @@ def published(name: str | None = None, path: Path = PUBLISHED):
         Link("NVLink, 1 node (measured)", dict(data["playbook_allreduce_busbw_GBps"]["by_nodes"])[1],
              source=data["sources"]["playbook"]),
         by_nodes=tuple(tuple(r) for r in data["playbook_allreduce_busbw_GBps"]["by_nodes"]),
-        source="measured all-reduce bus bandwidth at 256 MB by node count: " + data["sources"]["playbook"])
+        source="measured all-reduce bus bandwidth at 256 MB by node count (all-reduce only: the same figure's "
+               "reduce-scatter and all-gather reach less) -- " + data["sources"]["playbook"])
     sets = {}
     for key, strategy in (("playbook_dp", "ddp"), ("torchtitan_fsdp", "fsdp")):
         d = data[key]
@@ -500,21 +541,21 @@ def amdahl(serial: float, world_size) -> float:
     return 1 / (serial + (1 - serial) / world_size)
 
 
-def overlap_threshold_tokens(flops_per_token: float, params: int, peak_flops: float, busbw_GBps: float,
-                             grad_bytes: float = 2, gpus: int | None = None) -> float:
-    """Tokens per GPU per step above which DDP's gradient all-reduce can hide under the backward pass.
+def overlap_threshold_tokens(flops_per_token: float, params: int, flops: float, busbw_GBps: float, *,
+                             grad_bytes: float, gpus: int | None = None) -> float:
+    """Tokens per GPU in the micro-batch that synchronises (DDP's last) above which its gradient all-reduce can
+    hide under its backward pass, computing at `flops` FLOP/s (a peak, or a peak x compute efficiency).
 
-    The backward does 4/6 of the step's FLOPs: tokens x (2/3) x flops_per_token / peak seconds; the all-reduce
-    moves busbw_factor x params x grad_bytes bytes at busbw. They are equal at
+    The backward does 4/6 of the FLOPs: tokens x (2/3) x flops_per_token / flops seconds; the all-reduce moves
+    busbw_factor x params x grad_bytes bytes at busbw. They are equal at
 
-        tokens* = 1.5 x busbw_factor x params x grad_bytes x peak / (flops_per_token x busbw)
+        tokens* = 1.5 x busbw_factor x params x grad_bytes x flops / (flops_per_token x busbw)
 
-    and with flops_per_token ~ 6 x params, busbw_factor ~ 2 and 2-byte gradients: tokens* ~ peak / busbw (in
-    FLOP per byte), the ratio the JAX scaling book compares a batch with. gpus=None takes busbw_factor's
-    limit, 2.
+    and with flops_per_token ~ 6 x params, busbw_factor ~ 2 and 2-byte gradients: tokens* ~ flops / busbw (in
+    FLOP per byte), the ratio the JAX scaling book compares a batch with. gpus=None takes busbw_factor's limit, 2.
     """
     factor = 2.0 if gpus is None else costmodel.busbw_factor("all_reduce", gpus)
-    return 1.5 * factor * params * grad_bytes * peak_flops / (flops_per_token * busbw_GBps * 1e9)
+    return 1.5 * factor * params * grad_bytes * flops / (flops_per_token * busbw_GBps * 1e9)
 
 
 
@@ -538,6 +579,9 @@ def best_strategy(model: Transformer, cluster: Cluster, gpus: int, global_batch_
     one sequence, accumulated to the batch; with or without full recomputation, which costs a forward pass),
     or None when nothing fits or the batch gives a GPU less than one sequence. Of strategies within 1 % of the
     fastest, the simplest wins (DDP before ZeRO before FSDP; no recomputation before recomputation)."""
+    if global_batch_tokens % (gpus * model.seq_len) and global_batch_tokens >= gpus * model.seq_len:
+        raise ValueError(f"best_strategy: a global batch of {global_batch_tokens} tokens does not split into {gpus} "
+                         f"GPUs x sequences of {model.seq_len}")
     per_gpu = global_batch_tokens // (gpus * model.seq_len)
     if per_gpu < 1:
         return None
@@ -566,6 +610,7 @@ def calculator(model: str = "Llama 2 7B", cluster: str = "dgx-h100-ib", gpus: in
     JupyterLab or Jupyter Notebook (it needs a live kernel); its text form is a one-line summary."""
     import ipywidgets as w
 
+    # bad arguments fail here, with their message, before any widget exists
     strategy_table(MODELS[model], CLUSTERS[cluster], gpus, micro_batch, grad_accum, compute_efficiency, overlap)
     controls = {
         "model": w.Dropdown(options=list(MODELS), value=model, description="model"),

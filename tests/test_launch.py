@@ -211,6 +211,32 @@ def test_a_rank_killed_by_a_signal_is_the_cause_even_when_torchrun_names_its_pee
     # and a rank stopped with SIGTERM (by torchrun, or another node's agent) is never the cause
     assert _failing_rank(output.replace("(SIGKILL)", "(SIGTERM)").replace("-9", "-15"))[0] == 0
 
+
+def test_of_ranks_that_raised_together_the_one_whose_peer_vanished_is_not_the_cause():
+    """Both ranks exit 1 in the same second; torchrun names the one that lost its peer. Its error says so; the
+    other's is the cause. The same from two agents (nnodes = 2), whose lines carry their node."""
+    output = "\n".join([
+        "[rank1]:[rank1]: Traceback (most recent call last):",
+        "[rank1]:[rank1]: ZeroDivisionError: rank one divides by zero on purpose",
+        "[rank0]:[rank0]: Traceback (most recent call last):",
+        "[rank0]:[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1",
+        "Failures:",
+        "[1]:",
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : 1 (pid: 2048)",
+        "------------------------------------------------------------",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 2047)",
+        "============================================================",
+    ])
+    rank, tb = _failing_rank(output)
+    assert rank == 1 and tb.endswith("ZeroDivisionError: rank one divides by zero on purpose")
+    two_nodes = "\n".join(line if line.startswith("[rank") else f"[node{0 if 'rank      : 0' in line else 1}] {line}"
+                          for line in output.splitlines())
+    assert _failing_rank(two_nodes)[0] == 1
+
 # ----------------------------------------------------------------------------- the truth about failures
 
 def test_a_killed_rank_is_named_with_its_signal_not_the_rank_that_lost_its_peer(results_dir):

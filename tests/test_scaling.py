@@ -35,7 +35,7 @@ def test_a_projection_equals_the_hand_calculation():
     bw = 368e9
     compute = 2 * 8192 * m.flops_per_token() / (989e12 * 0.4)
     gathers = 2 * 2 * (255 / 256) * P * 2 / bw  # 2 per micro-batch, 2 micro-batches, bf16 parameters
-    reduce = (255 / 256) * P * 4 / bw  # fp32 gradients, once
+    reduce = 2 * (255 / 256) * P * 4 / bw  # fp32 gradients, every micro-batch
     wait = gathers + reduce - min(0.5 * compute, gathers + reduce)
     assert p.link.busbw_GBps == 368.0
     assert p.compute_s == pytest.approx(compute, rel=1e-12) and p.comm_s == pytest.approx(gathers + reduce, rel=1e-12)
@@ -43,7 +43,7 @@ def test_a_projection_equals_the_hand_calculation():
     assert p.tokens_per_s_per_gpu == pytest.approx(2 * 8192 / (compute + wait), rel=1e-12)
     assert p.mfu == pytest.approx(2 * 8192 / (compute + wait) * m.flops_per_token() / 989e12, rel=1e-12)
     states = P * (2 + 4 + 12) / 256  # everything sharded
-    acts = 32 * 8192 * 4096 * 34 + 4 * 8192 * 128256
+    acts = 32 * 8192 * (12 * 4096 + 4 * 1024 + 8 * 14336) + 10 * 8192 * 128256  # 8 kv heads of 128, SwiGLU
     assert p.memory_GB == pytest.approx((states + acts) / 1e9, rel=1e-12) and p.fits
 
     # DDP with accumulation: only the last micro-batch's backward (2/3 of its compute) can hide the all-reduce
@@ -61,6 +61,21 @@ def test_a_projection_equals_the_hand_calculation():
     ag = 7 / 8 * PLAYBOOK_1B.params * 2 / 51.2e9
     assert r.exposed_comm_s == pytest.approx(ag + rs - min(compute * 2 / 3, rs), rel=1e-12)
     assert r.bottleneck == "communication"
+    # ZeRO-2 reduce-scatters every micro-batch, each under its own backward: all of the backward is the window
+    z = S.project(PLAYBOOK_1B, cluster, gpus=8, strategy="zero2", micro_batch=1, grad_accum=4, compute_efficiency=0.5,
+                  overlap=1.0)
+    rs4 = 4 * 7 / 8 * PLAYBOOK_1B.params * 4 / 370e9
+    ag = 7 / 8 * PLAYBOOK_1B.params * 2 / 370e9
+    assert z.comm_s == pytest.approx(rs4 + ag, rel=1e-12)
+    assert z.exposed_comm_s == pytest.approx(ag + rs4 - min(compute * 2 / 3, rs4), rel=1e-12)
+    # full recomputation: the forward again inside the backward (4/3 of the compute), a window of 3/4 of it
+    rc = S.project(PLAYBOOK_1B, cluster, gpus=8, strategy="fsdp", micro_batch=1, grad_accum=1, compute_efficiency=0.5,
+                   overlap=1.0, recompute=True)
+    assert rc.compute_s == pytest.approx(4 / 3 * 4096 * PLAYBOOK_1B.flops_per_token() / (989e12 * 0.5), rel=1e-12)
+    assert S.window("ddp", 4, recompute=True) == pytest.approx(3 / 4 / 4) and S.window("fsdp", 4) == 1.0
+    # GPT-2's shape (GELU FFN of 4h, no gates): 32 s b h a layer, Korthikanti's 34 less the two dropout masks
+    gpt = S.Transformer("gpt", layers=1, hidden=64, heads=4, ffn=256, vocab=1, seq_len=8, gated=False)
+    assert gpt.activation_bytes(2) == 8 * 2 * 32 * 64 + 10 * 8 * 2 * 1
     # 70 B in DDP does not fit on one 80 GB GPU: the bottleneck is memory
     big = S.Transformer("70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq_len=4096,
                         tied=False)
@@ -130,9 +145,10 @@ def test_amdahl_fit_recovers_the_serial_fraction_and_its_uncertainty():
 
 def test_the_overlap_threshold_is_peak_flops_over_bandwidth_for_a_pure_matmul_model():
     # flops_per_token = 6 P, 2-byte gradients, many GPUs: tokens* = 1.5 x 2 x P x 2 x peak / (6 P x busbw)
-    assert S.overlap_threshold_tokens(6 * 1e9, 10 ** 9, 989e12, 370.0) == pytest.approx(989e12 / 370e9)
-    # at 2 GPUs the all-reduce moves half as much per rank: half the tokens hide it
-    assert S.overlap_threshold_tokens(6e9, 10 ** 9, 989e12, 370.0, gpus=2) == pytest.approx(989e12 / 370e9 / 2)
+    assert S.overlap_threshold_tokens(6 * 1e9, 10 ** 9, 989e12, 370.0, grad_bytes=2) == pytest.approx(989e12 / 370e9)
+    # at 2 GPUs the all-reduce moves half as much per rank: half the tokens hide it; fp32 gradients: twice as many
+    assert S.overlap_threshold_tokens(6e9, 10 ** 9, 989e12, 370.0, grad_bytes=2, gpus=2) == pytest.approx(989e12 / 370e9 / 2)
+    assert S.overlap_threshold_tokens(6e9, 10 ** 9, 989e12, 370.0, grad_bytes=4) == pytest.approx(2 * 989e12 / 370e9)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -146,7 +162,7 @@ def test_bad_input_is_named(kwargs, match):
                 grad_accum=1, compute_efficiency=0.4, overlap=1.0)
     with pytest.raises(ValueError, match=match):
         S.project(**{**args, **kwargs})
-    with pytest.raises(ValueError, match="hidden .* must divide"):
+    with pytest.raises(ValueError, match="heads .* must divide hidden"):
         S.Transformer("odd", layers=1, hidden=100, heads=3, ffn=4, vocab=4, seq_len=4)
     with pytest.raises(ValueError, match="no published point set"):
         S.published("nope")

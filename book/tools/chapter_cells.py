@@ -38,16 +38,18 @@ class Chapter:
         self.code(f"{answer_cell}\ncheck(answer, exercise={key!r},\n      hint={hint!r})")
         self.code(f"{SOLUTION_TITLE}\n{solution}\ncheck(answer, exercise={key!r}, hint='')", SOLUTION)
 
-    def predict(self, key, question, blank, run, hint, solution):
+    def predict(self, key, question, blank, run, hint, solution, rel_tol=None, measured_by=None):
         """A predict-then-run exercise (nanodist.exercises.compare): the question, the reader's prediction cell,
         the run that measures the answer on the reader's machine and compares, and a collapsed solution that
-        explains the prediction and compares it too. The run cell leaves the measurement in `measured`."""
+        explains the prediction and compares it too. The run cell leaves the measurement in `measured`.
+        rel_tol and measured_by go to compare (a tolerance; "the projection gives" for a model's number)."""
+        extra = "".join(f", {k}={v!r}" for k, v in (("rel_tol", rel_tol), ("measured_by", measured_by)) if v is not None)
         self.md(f"**{key[2:]}.** *Predict, then run.* {question}")
         self.code(blank)
-        self.code(f"{run}\ncompare(prediction, measured, exercise={key!r},\n        hint={hint!r})")
+        self.code(f"{run}\ncompare(prediction, measured, exercise={key!r}{extra},\n        hint={hint!r})")
         # reveal=False: a folded cell's output stays on the page, so the solution's says only "Right!"
         self.code(f"{SOLUTION_TITLE}\n{solution}\n"
-                  f"compare(prediction, measured, exercise={key!r}, hint='', reveal=False)", SOLUTION)
+                  f"compare(prediction, measured, exercise={key!r}{extra}, hint='', reveal=False)", SOLUTION)
 
     def write(self, name: str) -> Path:
         nb = nbf.v4.new_notebook(cells=self.cells)
