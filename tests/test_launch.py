@@ -408,7 +408,9 @@ def test_a_warm_rank_sees_what_a_fresh_interpreter_sees(results_dir, monkeypatch
         assert _seen(warm)[1]["after"] == _seen(cold)[1]["after"] == ["thread finished", "atexit ran"]
         frames = [[l for l in e.traceback.splitlines() if l.lstrip().startswith("File ")] for e in (warm, cold)]
         assert frames[0] == frames[1]  # the traceback starts in the script, not in the server that forked it
-        assert str(warm).replace("PRELOADED True", "PRELOADED False") == str(cold)  # the same message
+        # the same message (its first line: a rank's stdout and stderr reach torchrun through two files, so
+        # how their lines interleave in the rest of it differs from run to run, warm or cold)
+        assert str(warm).replace("PRELOADED True", "PRELOADED False").splitlines()[0] == str(cold).splitlines()[0]
 
 
 def test_a_launch_that_changes_an_import_time_variable_gets_fresh_ranks(results_dir):
