@@ -121,10 +121,7 @@ def run_rank(request: dict, fds: list[int], libc, server: int, base_path: list[s
             runpy.run_path(argv[0], run_name="__main__")
             code = 0
         except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)  # as the interpreter does with sys.exit("message")
+            code = _exit_status(e)
         except KeyboardInterrupt as e:
             _report(e)
             code = -signal.SIGINT  # the interpreter ends by SIGINT after an uncaught KeyboardInterrupt
@@ -142,6 +139,15 @@ def run_rank(request: dict, fds: list[int], libc, server: int, base_path: list[s
                 signal.signal(-code, signal.SIG_DFL)
                 os.kill(os.getpid(), -code)
             os._exit(code if code >= 0 else 128 - code)
+
+
+def _exit_status(e: SystemExit) -> int:
+    """The status the interpreter exits with for an uncaught SystemExit: its code, or 1 after printing a message
+    (sys.exit("message"))."""
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
 
 
 def run_agent(argv: list[str], env: dict, cwd: str, out_fd: int, libc, server: int) -> None:
@@ -171,10 +177,7 @@ def run_agent(argv: list[str], env: dict, cwd: str, out_fd: int, libc, server: i
             torchrun.main(argv)
             code = 0
         except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)  # as the interpreter does with sys.exit("message")
+            code = _exit_status(e)
         except BaseException:  # what `python -m torch.distributed.run` would print before exiting 1
             traceback.print_exc()
             code = 1
