@@ -21,6 +21,7 @@ between them, and the speedup and efficiency against the 1-rank baseline, and wr
 labs/results/lab03_ddp/.
 """
 import argparse
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -63,9 +64,11 @@ def single_only(args, world_size):
         return "--impl single is the 1-rank reference: run it without torchrun (or use --baseline)"
     if args.worlds is None and args.micro_batches is None:
         return None
-    if args.impl in ("all", "single") or args.verify or args.timeline:
+    if args.impl in ("all", "single") or args.verify:
         return "--worlds and --micro-batches measure one data-parallel --impl (nanodist, torch, naive), " \
-               "without --verify or --timeline"
+               "without --verify"
+    if args.timeline and args.impl not in ("nanodist", "nanodist-pg"):
+        return "--timeline records nanodist DDP's buckets: use it with --impl nanodist or nanodist-pg"
     worlds, batches = args.worlds or [world_size], args.micro_batches or [args.micro_batch]
     bad = [n for n in worlds if not 1 <= n <= world_size]
     if bad:
@@ -142,6 +145,19 @@ def baseline_from_files(cfg, world_size: int, impl: str) -> dict | None:
     return None
 
 
+def exposed_communication(timeline: list[dict], buckets: int) -> dict:
+    """From nanodist DDP's bucket timeline (`buckets` entries per backward), the medians over the timed
+    backwards of: the backward's autograd time from its first gradient (backward_s), the wait after it until
+    every bucket had arrived (exposed_comm_s: the communication the step did not hide), and the time from the
+    first bucket's launch to the last one's arrival (comm_span_s)."""
+    backwards = [timeline[i:i + buckets] for i in range(0, len(timeline), buckets)]
+    backwards = backwards[experiment.WARMUP_STEPS:] or backwards
+    med = statistics.median
+    return {"backward_s": med(b[0]["autograd_end_s"] for b in backwards),
+            "exposed_comm_s": med(b[0]["synced_s"] - b[0]["autograd_end_s"] for b in backwards),
+            "comm_span_s": med(max(e["done_s"] for e in b) - min(e["launch_s"] for e in b) for b in backwards)}
+
+
 def sweep(args, cfg, data, group) -> None:
     """--worlds / --micro-batches: one implementation at each world size x micro-batch, in turns; rank 0 (a
     member of every world) records throughput, and the speedup over 1 rank at each micro-batch."""
@@ -154,7 +170,8 @@ def sweep(args, cfg, data, group) -> None:
             name = f"W={n} micro-batch={b}"
             only[name] = n
             if subs[n] is not None:
-                runs[name] = experiment.build(cfg.replace(micro_batch=b), data, subs[n], wrapper=args.impl, name=name)
+                runs[name] = experiment.build(cfg.replace(micro_batch=b), data, subs[n], wrapper=args.impl, name=name,
+                                              record_timeline=args.timeline)
     nd.print0(f"== {args.impl}, {args.scaling} scaling: world sizes {worlds} x micro-batches {batches}, "
               f"{args.steps} steps each, taking turns every {BLOCK_STEPS} steps")
     take_turns({name: (lambda r=runs.get(name): r and r.trainer.fit(max_steps=BLOCK_STEPS)) for name in only},
@@ -169,6 +186,8 @@ def sweep(args, cfg, data, group) -> None:
                              "tokens_per_s": r["tokens_per_s"], "step_times_s": [  # the timed ones, as the median's
                                  h["time_s"] for h in runs[f"W={n} micro-batch={b}"].trainer.history[
                                      experiment.WARMUP_STEPS:]]})
+                if args.timeline and n > 1:
+                    rows[-1].update(exposed_communication(r["timeline"], len(r["buckets"])))
         one = {row["micro_batch"]: row for row in rows if row["world_size"] == 1}
         for row in rows:
             if row["micro_batch"] in one:

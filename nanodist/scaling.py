@@ -18,7 +18,8 @@ One optimizer step, per GPU:
                ZeRO's parameter all-gather after the update is never hidden;
                fsdp: two all-gathers and a reduce-scatter every micro-batch, under all the step's compute
                (prefetching); with full recomputation the backward is 3/4 of the compute, not 2/3
-    step     = compute + comm - min(hidden, the comm that can hide)
+    update   = the AdamW update: 30 bytes of HBM traffic per parameter the GPU updates / HBM bandwidth
+    step     = compute + update + comm - min(hidden, the comm that can hide)
 
 `compute_efficiency` is the fraction of the GPU's peak the model's FLOPs reach when nothing waits for the network
 (MFU of the computation alone); `overlap` (0..1) the fraction of the window communication really hides in. Neither
@@ -33,8 +34,12 @@ dtype it is reduced in) plus activations (`Transformer.activation_bytes`: what e
 in 16 bits, counted as Korthikanti et al. 2022 do, with flash attention; with full recomputation only each
 layer's input) and the loss's logits.
 
-Latency is not modelled for the published links (their bandwidths were measured with messages of 256 MB or more,
-which fold it in): at hundreds of GPUs, small buckets and ring latency cost more than these projections say.
+Latency: a `Cluster` may carry one (`Latency`: NCCL's own tuning model, per call and per hop, inside a node and
+across nodes); then every call -- each DDP bucket, each FSDP unit -- pays it, and the all-reduce runs as a ring, a
+tree, a hierarchical (2-D) ring or whichever of them is fastest (`Cluster.all_reduce_time`). The clusters of
+CLUSTERS carry none: their bandwidths are large-message figures, and charging NCCL's tuning latencies per 25 MB
+bucket on top of the Playbook's measured bandwidths misses its 128- and 256-GPU points by 30 % or more (Chapter 8
+shows it), so the projections the chapter checks count bandwidth only.
 """
 from __future__ import annotations
 
@@ -125,6 +130,38 @@ class GPU:
     peak_flops: float  # dense bf16 tensor-core rate, FLOP/s
     memory_GB: float  # HBM, 10^9 bytes
     source: str = ""
+    hbm_GBps: float | None = None  # HBM bandwidth, 10^9 bytes/s (None: the optimizer step's time is not projected)
+
+
+# Bytes of HBM traffic per parameter one AdamW update moves with fp32 master weights, fused (one pass): it reads
+# the fp32 weight, gradient and two moments (16) and writes the weight, the moments and the bf16 copy (14).
+ADAMW_BYTES_PER_PARAM = 30
+
+
+@dataclass(frozen=True)
+class Latency:
+    """What a collective pays per call before any byte counts: NCCL's own tuning model (protocol Simple, the one
+    large messages use), as src/graph/tuning.cc states it -- a base latency per algorithm and a latency per hop,
+    inside a node (NVLink or PCIe) and across nodes (the network):
+
+        ring all-reduce   base + (2(N - 1) - 2 nodes) x intra + 2 nodes x inter   (2 nodes: 0 on one node)
+        tree all-reduce   2 x ((GPUs per node - 1) x intra + log2(nodes) x inter)  (NCCL's double binary tree)
+        ring reduce-scatter / all-gather: half the ring all-reduce's hops
+
+    These are the figures NCCL's tuner uses to choose an algorithm, not measurements of a cluster."""
+
+    ring_base_s: float
+    ring_intra_s: float
+    ring_inter_s: float
+    tree_intra_s: float
+    tree_inter_s: float
+    source: str = ""
+
+
+_NCCL_TUNING = "NCCL src/graph/tuning.cc at b6475625 (2.19 era), protocol Simple (labs/published/SOURCES.md)"
+NCCL_NVLINK = Latency(8.4e-6, 3.4e-6, 14.0e-6, 28e-6, 28e-6, source=_NCCL_TUNING + ": NVLink and network hops")
+NCCL_PCIE = Latency(8.4e-6, 5.7e-6, 14.0e-6, 28e-6, 28e-6, source=_NCCL_TUNING + ": PCIe and network hops")
+ALL_REDUCE_ALGORITHMS = ("ring", "tree", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -168,11 +205,79 @@ class Cluster:
     inter: Link | None = None
     by_nodes: tuple = ()  # ((nodes, busbw GB/s), ...): measured, for every node count from 1 up
     source: str = ""
+    latency: Latency | None = None  # None: collectives cost bandwidth only
+    measured_bytes: float = 256e6  # the all-reduce size by_nodes was measured with (its latency is in the figure)
 
     def __post_init__(self):
         counts = [n for n, _ in self.by_nodes]
         if self.by_nodes and (counts[0] != 1 or counts != sorted(set(counts))):
             raise ValueError(f"Cluster {self.name!r}: by_nodes must start at 1 node and grow, got node counts {counts}")
+
+    def _without_latency(self, nodes: int, busbw_GBps: float) -> float:
+        """A bus bandwidth measured with one all-reduce of `measured_bytes` at `nodes` nodes, less that call's
+        latency (the faster of ring and tree, as NCCL's tuner would pick) when the cluster models latency."""
+        if self.latency is None or nodes == 1:
+            return busbw_GBps
+        gpus = nodes * self.gpus_per_node
+        f = costmodel.busbw_factor("all_reduce", gpus)
+        took = f * self.measured_bytes / (busbw_GBps * 1e9)
+        lat = min(self.all_reduce_latency(gpus, a) for a in ("ring", "tree"))
+        if lat >= took:
+            raise ValueError(f"{self.name}: at {nodes} nodes the measured all-reduce took {took:.2e} s, no more "
+                             f"than the modelled latency ({lat:.2e} s): the latency model does not fit it")
+        return f * self.measured_bytes / (took - lat) / 1e9
+
+    def all_reduce_latency(self, gpus: int, algorithm: str) -> float:
+        """Seconds one all-reduce call on `gpus` GPUs pays in latency under `algorithm` (ring, tree,
+        hierarchical; see Latency). 0 when the cluster models no latency."""
+        if algorithm not in ALL_REDUCE_ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALL_REDUCE_ALGORITHMS)}, got {algorithm!r}")
+        if self.latency is None or gpus == 1:
+            return 0.0
+        lat, nodes = self.latency, math.ceil(gpus / self.gpus_per_node)
+        local = min(gpus, self.gpus_per_node)
+        if algorithm == "ring":
+            inter = 2 * nodes if nodes > 1 else 0
+            return lat.ring_base_s + (2 * (gpus - 1) - inter) * lat.ring_intra_s + inter * lat.ring_inter_s
+        if algorithm == "tree":
+            return 2 * ((local - 1) * lat.tree_intra_s + math.log2(nodes) * lat.tree_inter_s)
+        # hierarchical: a ring reduce-scatter inside the node, a ring all-reduce of the shard across nodes (one
+        # ring per local rank, side by side), a ring all-gather inside the node
+        inside = 2 * (lat.ring_base_s + (local - 1) * lat.ring_intra_s) if local > 1 else 0.0
+        across = lat.ring_base_s + 2 * (nodes - 1) * lat.ring_inter_s if nodes > 1 else 0.0
+        return inside + across
+
+    def all_reduce_time(self, size_bytes: float, gpus: int, algorithm: str = "ring", calls: int = 1) -> dict:
+        """One all-reduce of `size_bytes` in all, split into `calls` equal calls, on `gpus` GPUs under `algorithm`:
+        {"latency_s", "bandwidth_s", "s"}.
+
+            ring          latency: see Latency;  bandwidth: 2 (N - 1)/N x S / busbw of the ring over N GPUs
+            tree          NCCL's tree moves 2 S through each GPU's link: 2 S / busbw
+            hierarchical  reduce-scatter and all-gather inside the node, (g - 1)/g x S / NVLink's busbw each, and an
+                          all-reduce of S/g across nodes on each of the g local ranks' rings, which share the node's
+                          network: 2 (n - 1)/n x S / the network's busbw
+        The bandwidths are the ones `link` gives (measured by node count where the cluster has them)."""
+        if not isinstance(calls, int) or calls < 1:
+            raise ValueError(f"calls must be a positive integer, got {calls!r}")
+        latency = calls * self.all_reduce_latency(gpus, algorithm)
+        link = self.link(gpus)
+        nodes, local = math.ceil(gpus / self.gpus_per_node), min(gpus, self.gpus_per_node)
+        if algorithm == "ring" or gpus == 1:
+            bandwidth = costmodel.busbw_factor("all_reduce", gpus) * size_bytes / (link.busbw_GBps * 1e9)
+        elif algorithm == "tree":
+            bandwidth = 2 * size_bytes / (link.busbw_GBps * 1e9)
+        else:
+            inside = 2 * (local - 1) / local * size_bytes / (self.intra.busbw_GBps * 1e9)
+            across = 2 * (nodes - 1) / nodes * size_bytes / (link.busbw_GBps * 1e9) if nodes > 1 else 0.0
+            bandwidth = inside + across
+        return {"latency_s": latency, "bandwidth_s": bandwidth, "s": latency + bandwidth}
+
+    def ring_latency(self, collective: str, gpus: int) -> float:
+        """Latency of one ring reduce-scatter or all-gather call: half the ring all-reduce's (NCCL runs both as
+        rings); of an all-reduce, the ring's."""
+        full = self.all_reduce_latency(gpus, "ring")
+        return full if collective == "all_reduce" else \
+            (0.0 if full == 0 else self.latency.ring_base_s + (full - self.latency.ring_base_s) / 2)
 
     def link(self, gpus: int) -> Link:
         """The link a ring over `gpus` GPUs runs at: the node's own for one node; across nodes, the measured
@@ -183,7 +288,7 @@ class Cluster:
         if nodes == 1:
             return self.intra
         if self.by_nodes:
-            measured = dict(self.by_nodes)
+            measured = {n: self._without_latency(n, bw) for n, bw in self.by_nodes}
             if nodes in measured:
                 return Link(f"{self.name}, {nodes} nodes (measured)", measured[nodes], source=self.source)
             counts = sorted(measured)
@@ -215,6 +320,7 @@ class Projection:
     link: Link
     tokens_per_gpu_step: int
     compute_s: float
+    optimizer_s: float  # the AdamW update, bound by HBM bandwidth (0 when the GPU's is not given)
     comm_s: float  # all communication of one step, hidden or not
     exposed_comm_s: float  # what the step waits for
     step_s: float
@@ -244,7 +350,8 @@ class Projection:
 
 
 def communication(strategy: str, params: int, gpus: int, link: Link, micro_batches: int = 1,
-                  grad_bytes: float = 4, param_bytes: float = 2) -> dict:
+                  grad_bytes: float = 4, param_bytes: float = 2, cluster: Cluster | None = None,
+                  algorithm: str = "ring", bucket_bytes: float = 25e6, units: int = 1) -> dict:
     """Seconds of each collective `strategy` runs in one optimizer step on `gpus` ranks, and which of them can hide
     under compute: {"hideable": [...], "exposed": [...]} of (collective, bytes, seconds).
 
@@ -256,6 +363,11 @@ def communication(strategy: str, params: int, gpus: int, link: Link, micro_batch
         fsdp    every micro-batch: all-gather the parameters for forward and
                 again for backward, reduce-scatter the gradients              all hideable
     Gradients move in `grad_bytes` per element, parameters in `param_bytes`.
+
+    With a `cluster` that models latency, every call pays it: DDP and ZeRO send buckets of `bucket_bytes`
+    (DDP's 25 MB by default), FSDP one call per unit (`units`: its wrapped layers) for each collective; the
+    all-reduce runs under `algorithm` (ring, tree, hierarchical, or "best": the fastest of them for this size, as
+    NCCL's tuner chooses), reduce-scatter and all-gather as rings.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -263,8 +375,20 @@ def communication(strategy: str, params: int, gpus: int, link: Link, micro_batch
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
     grads, weights = params * grad_bytes, params * param_bytes
 
+    if algorithm not in ALL_REDUCE_ALGORITHMS + ("best",):
+        raise ValueError(f"algorithm must be one of {', '.join(ALL_REDUCE_ALGORITHMS)} or best, got {algorithm!r}")
+
     def op(collective: str, size: float, times: int = 1) -> tuple:
-        return collective, times * size, times * link.time(collective, size, gpus)
+        if cluster is None or cluster.latency is None:
+            return collective, times * size, times * link.time(collective, size, gpus)
+        calls = units if strategy == "fsdp" else max(1, math.ceil(size / bucket_bytes))
+        if collective == "all_reduce":
+            algos = ALL_REDUCE_ALGORITHMS if algorithm == "best" else (algorithm,)
+            seconds = min(cluster.all_reduce_time(size, gpus, a, calls)["s"] for a in algos)
+        else:
+            seconds = calls * cluster.ring_latency(collective, gpus) + \
+                costmodel.busbw_factor(collective, gpus) * size / (link.busbw_GBps * 1e9)
+        return collective, times * size, times * seconds
 
     if strategy == "ddp":
         return {"hideable": [op("all_reduce", grads)], "exposed": []}
@@ -274,6 +398,16 @@ def communication(strategy: str, params: int, gpus: int, link: Link, micro_batch
         return {"hideable": [op("reduce_scatter", grads, micro_batches)], "exposed": [op("all_gather", weights)]}
     return {"hideable": [op("all_gather", weights, 2 * micro_batches), op("reduce_scatter", grads, micro_batches)],
             "exposed": []}
+
+
+def optimizer_seconds(params: int, gpus: int, strategy: str, gpu: GPU) -> float:
+    """The AdamW update's time on one GPU: ADAMW_BYTES_PER_PARAM bytes of HBM traffic for each parameter the GPU
+    updates (all of them under DDP; its 1/N shard under ZeRO and FSDP), at the GPU's HBM bandwidth. 0 when the GPU
+    does not say its bandwidth."""
+    if gpu.hbm_GBps is None:
+        return 0.0
+    local = params if strategy == "ddp" else params / gpus
+    return ADAMW_BYTES_PER_PARAM * local / (gpu.hbm_GBps * 1e9)
 
 
 def window(strategy: str, grad_accum: int, recompute: bool = False) -> float:
@@ -286,8 +420,9 @@ def window(strategy: str, grad_accum: int, recompute: bool = False) -> float:
 
 def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micro_batch: int, grad_accum: int,
             compute_efficiency: float, overlap: float, grad_bytes: float = 4, param_bytes: float = 2,
-            recompute: bool = False) -> Projection:
-    """Project one optimizer step of `strategy` on `gpus` GPUs of `cluster` (see the module's docstring)."""
+            recompute: bool = False, algorithm: str = "best", bucket_MB: float = 25) -> Projection:
+    """Project one optimizer step of `strategy` on `gpus` GPUs of `cluster` (see the module's docstring).
+    `algorithm` and `bucket_MB` matter only on a cluster that models latency (see `communication`)."""
     for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -299,18 +434,20 @@ def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micr
     compute = tokens * model.flops_per_token() / (cluster.gpu.peak_flops * compute_efficiency)
     if recompute:  # the forward runs again in the backward: 8 FLOPs per weight and token where 6 were counted
         compute *= 4 / 3
-    comm = communication(strategy, model.params, gpus, link, grad_accum, grad_bytes, param_bytes) if gpus > 1 \
+    comm = communication(strategy, model.params, gpus, link, grad_accum, grad_bytes, param_bytes, cluster=cluster,
+                         algorithm=algorithm, bucket_bytes=bucket_MB * 1e6, units=model.layers + 1) if gpus > 1 \
         else {"hideable": [], "exposed": []}
     hideable = sum(s for _, _, s in comm["hideable"])
     exposed = sum(s for _, _, s in comm["exposed"])
     waits = exposed + hideable - min(overlap * window(strategy, grad_accum, recompute) * compute, hideable)
-    step = compute + waits
+    update = optimizer_seconds(model.params, gpus, strategy, cluster.gpu)
+    step = compute + update + waits
     states = zero_memory_bytes(model.params, gpus, _STAGE[strategy], param_bytes=param_bytes, grad_bytes=grad_bytes,
                                optim_bytes_per_param=12)["total"]
     memory = (states + model.activation_bytes(micro_batch, recompute)) / 1e9
     return Projection(
         model=model.name, cluster=cluster.name, strategy=strategy, gpus=gpus, micro_batch=micro_batch,
-        grad_accum=grad_accum, link=link, tokens_per_gpu_step=tokens, compute_s=compute,
+        grad_accum=grad_accum, link=link, tokens_per_gpu_step=tokens, compute_s=compute, optimizer_s=update,
         comm_s=hideable + exposed, exposed_comm_s=waits, step_s=step, tokens_per_s_per_gpu=tokens / step,
         mfu=tokens / step * model.flops_per_token() / cluster.gpu.peak_flops, memory_GB=memory,
         fits=memory <= cluster.gpu.memory_GB, recompute=recompute,
@@ -330,7 +467,8 @@ class Calibration:
 
 
 def calibrate(model: Transformer, cluster: Cluster, strategy: str, rows, grad_bytes: float = 4,
-              param_bytes: float = 2, overlap: float | None = None) -> Calibration:
+              param_bytes: float = 2, overlap: float | None = None, algorithm: str = "best",
+              bucket_MB: float = 25) -> Calibration:
     """compute_efficiency and overlap from measured rows (gpus, micro_batch, grad_accum, tokens_per_s_per_gpu, ...).
 
     The anchor is the row whose communication is the smallest share of its step. For each overlap in [0, 1]
@@ -343,10 +481,12 @@ def calibrate(model: Transformer, cluster: Cluster, strategy: str, rows, grad_by
     if not rows:
         raise ValueError("calibrate: no measured rows")
 
-    def comm(r) -> tuple[float, float]:
-        c = communication(strategy, model.params, r[0], cluster.link(r[0]), r[2], grad_bytes, param_bytes) \
-            if r[0] > 1 else {"hideable": [], "exposed": []}
-        return sum(x[2] for x in c["hideable"]), sum(x[2] for x in c["exposed"])
+    def comm(r) -> tuple[float, float]:  # (hideable, exposed: the update's time counted in)
+        c = communication(strategy, model.params, r[0], cluster.link(r[0]), r[2], grad_bytes, param_bytes,
+                          cluster=cluster, algorithm=algorithm, bucket_bytes=bucket_MB * 1e6,
+                          units=model.layers + 1) if r[0] > 1 else {"hideable": [], "exposed": []}
+        return sum(x[2] for x in c["hideable"]), sum(x[2] for x in c["exposed"]) + \
+            optimizer_seconds(model.params, r[0], strategy, cluster.gpu)
 
     def step(r) -> float:
         return r[1] * r[2] * model.seq_len / r[3]
@@ -371,7 +511,8 @@ def calibrate(model: Transformer, cluster: Cluster, strategy: str, rows, grad_by
     def error(overlap: float) -> float:
         e = efficiency(overlap)
         return sum(math.log(project(model, cluster, r[0], strategy, r[1], r[2], e, overlap, grad_bytes,
-                                    param_bytes).tokens_per_s_per_gpu / r[3]) ** 2 for r in rows)
+                                    param_bytes, algorithm=algorithm, bucket_MB=bucket_MB).tokens_per_s_per_gpu
+                            / r[3]) ** 2 for r in rows)
 
     share = 100 * (hideable + exposed) / step(anchor)
     source = (f"compute efficiency from the {anchor[0]}-GPU row (micro-batch {anchor[1]} x {anchor[2]}), whose "
@@ -390,7 +531,8 @@ def calibrate(model: Transformer, cluster: Cluster, strategy: str, rows, grad_by
 
 
 def check(model: Transformer, cluster: Cluster, strategy: str, judged, calibration: Calibration,
-          grad_bytes: float = 4, param_bytes: float = 2, tolerance: float = 0.20) -> list[dict]:
+          grad_bytes: float = 4, param_bytes: float = 2, tolerance: float = 0.20, algorithm: str = "best",
+          bucket_MB: float = 25) -> list[dict]:
     """Project every judged row with the calibrated parameters and compare: one dict per row, with the
     residual (projected / measured - 1) and whether it is within `tolerance`."""
     o = calibration.overlap
@@ -402,7 +544,7 @@ def check(model: Transformer, cluster: Cluster, strategy: str, judged, calibrati
     out = []
     for r in judged:
         p = project(model, cluster, r[0], strategy, r[1], r[2], calibration.compute_efficiency, o, grad_bytes,
-                    param_bytes)
+                    param_bytes, algorithm=algorithm, bucket_MB=bucket_MB)
         residual = p.tokens_per_s_per_gpu / r[3] - 1
         out.append({"GPUs": r[0], "micro-batch x accumulation": f"{r[1]} x {r[2]}", "measured tokens/s/GPU": round(r[3]),
                     "projected": round(p.tokens_per_s_per_gpu), "residual %": round(100 * residual, 1),
@@ -415,10 +557,13 @@ def check(model: Transformer, cluster: Cluster, strategy: str, judged, calibrati
 
 GIB = 2**30 / 1e9  # a GPU's "80 GB" is 80 GiB: 85.9 GB
 GPUS = {
-    "H100 SXM": GPU("H100 SXM", 989e12, 80 * GIB, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3"),
-    "H100 PCIe": GPU("H100 PCIe", 756e12, 80 * GIB, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16, 80 GB HBM2e"),
+    "H100 SXM": GPU("H100 SXM", 989e12, 80 * GIB, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3, "
+                                                 "3.35 TB/s", hbm_GBps=3350),
+    "H100 PCIe": GPU("H100 PCIe", 756e12, 80 * GIB, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16, 80 GB HBM2e, "
+                                                   "2.0 TB/s", hbm_GBps=2000),
     "H100 96GB": GPU("H100 96GB", 989e12, 96 * GIB, "torchtitan's benchmark GPUs (Grand Teton: 96 GB HBM2e, 500 W); "
-                                                   "its MFU uses the SXM peak, as here"),
+                                                   "its MFU uses the SXM peak, as here; HBM bandwidth assumed the "
+                                                   "SXM's 3.35 TB/s (torchtitan does not state it)", hbm_GBps=3350),
 }
 NVLINK = Link("NVLink 4 (NVSwitch)", 370.0, source="nccl-tests #212: ~370 GB/s ring bus bandwidth on 8 x H100 "
                                                   "(450 GB/s line rate less ~20 % protocol)")
