@@ -21,7 +21,6 @@ between them, and the speedup and efficiency against the 1-rank baseline, and wr
 labs/results/lab03_ddp/.
 """
 import argparse
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -69,20 +68,7 @@ def single_only(args, world_size):
                "without --verify"
     if args.timeline and args.impl not in ("nanodist", "nanodist-pg"):
         return "--timeline records nanodist DDP's buckets: use it with --impl nanodist or nanodist-pg"
-    worlds, batches = args.worlds or [world_size], args.micro_batches or [args.micro_batch]
-    bad = [n for n in worlds if not 1 <= n <= world_size]
-    if bad:
-        return f"--worlds: {bad[0]} rank(s) cannot be formed from this launch's {world_size}: use 1 to {world_size}"
-    if any(b < 1 for b in batches) or len(set(worlds)) < len(worlds) or len(set(batches)) < len(batches):
-        return "--worlds and --micro-batches take distinct positive integers"
-    for n in worlds:
-        for b in batches:
-            total = experiment.total_batch(experiment.RunConfig.from_args(args, "cpu").replace(micro_batch=b), n)
-            if total is not None and total % (n * b * args.seq_len):
-                return (f"the total batch of {total} tokens does not split into {n} rank(s) x micro-batches of "
-                        f"{b} x {args.seq_len} tokens: give --total-batch a multiple of every world size x "
-                        f"micro-batch x seq-len")
-    return None
+    return experiment.check_sweep(args, world_size)
 
 
 def verify_equivalence(cfg, data, group, steps: int = 5) -> dict:
@@ -145,57 +131,22 @@ def baseline_from_files(cfg, world_size: int, impl: str) -> dict | None:
     return None
 
 
-def exposed_communication(timeline: list[dict], buckets: int) -> dict:
-    """From nanodist DDP's bucket timeline (`buckets` entries per backward), the medians over the timed
-    backwards of: the backward's autograd time from its first gradient (backward_s), the wait after it until
-    every bucket had arrived (exposed_comm_s: the communication the step did not hide), and the time from the
-    first bucket's launch to the last one's arrival (comm_span_s)."""
-    backwards = [timeline[i:i + buckets] for i in range(0, len(timeline), buckets)]
-    backwards = backwards[experiment.WARMUP_STEPS:] or backwards
-    med = statistics.median
-    return {"backward_s": med(b[0]["autograd_end_s"] for b in backwards),
-            "exposed_comm_s": med(b[0]["synced_s"] - b[0]["autograd_end_s"] for b in backwards),
-            "comm_span_s": med(max(e["done_s"] for e in b) - min(e["launch_s"] for e in b) for b in backwards)}
-
-
 def sweep(args, cfg, data, group) -> None:
-    """--worlds / --micro-batches: one implementation at each world size x micro-batch, in turns; rank 0 (a
-    member of every world) records throughput, and the speedup over 1 rank at each micro-batch."""
+    """--worlds / --micro-batches: one implementation at each world size x micro-batch, in turns (experiment.sweep);
+    rank 0 records throughput, and the speedup over 1 rank at each micro-batch."""
     worlds, batches = args.worlds or [group.size], args.micro_batches or [cfg.micro_batch]
-    subs = experiment.first_ranks(group, sorted(set(worlds)))
     rec = Recorder("lab03_ddp", config={**vars(args), **cfg.to_dict()})
-    runs, only = {}, {}
-    for n in worlds:
-        for b in batches:
-            name = f"W={n} micro-batch={b}"
-            only[name] = n
-            if subs[n] is not None:
-                runs[name] = experiment.build(cfg.replace(micro_batch=b), data, subs[n], wrapper=args.impl, name=name,
-                                              record_timeline=args.timeline)
     nd.print0(f"== {args.impl}, {args.scaling} scaling: world sizes {worlds} x micro-batches {batches}, "
               f"{args.steps} steps each, taking turns every {BLOCK_STEPS} steps")
-    take_turns({name: (lambda r=runs.get(name): r and r.trainer.fit(max_steps=BLOCK_STEPS)) for name in only},
-               rounds=-(-args.steps // BLOCK_STEPS), rotate=True, only=only, group=group)
+    rows = experiment.sweep(cfg, data, group, worlds, batches, args.steps, BLOCK_STEPS, wrapper=args.impl,
+                            record_timeline=args.timeline)
     if group.is_main:
-        rows = []
-        for n in worlds:
-            for b in batches:
-                r = experiment.summarize(runs[f"W={n} micro-batch={b}"])
-                rows.append({"world_size": n, "micro_batch": b, "grad_accum": r["grad_accum"], "params": r["params"],
-                             "tokens_per_step": r["tokens_per_step"], "median_step_s": r["median_step_s"],
-                             "tokens_per_s": r["tokens_per_s"], "step_times_s": [  # the timed ones, as the median's
-                                 h["time_s"] for h in runs[f"W={n} micro-batch={b}"].trainer.history[
-                                     experiment.WARMUP_STEPS:]]})
-                if args.timeline and n > 1:
-                    rows[-1].update(exposed_communication(r["timeline"], len(r["buckets"])))
-        one = {row["micro_batch"]: row for row in rows if row["world_size"] == 1}
         for row in rows:
-            if row["micro_batch"] in one:
-                row["speedup"] = row["tokens_per_s"] / one[row["micro_batch"]]["tokens_per_s"]
-                row["efficiency"] = row["speedup"] / row["world_size"]
             nd.print0(f"W={row['world_size']} micro-batch={row['micro_batch']:>3}: {row['tokens_per_s']:9.0f} tokens/s"
                       f"  step {1e3 * row['median_step_s']:8.2f} ms" +
-                      (f"  {args.scaling}-scaling speedup {row['speedup']:.2f}" if "speedup" in row else ""))
+                      (f"  {args.scaling}-scaling speedup {row['speedup']:.2f}" if "speedup" in row else "") +
+                      (f"  backward {1e3 * row['backward_s']:.2f} ms, then waits {1e3 * row['exposed_comm_s']:.2f} ms"
+                       " for its buckets" if "backward_s" in row else ""))
         rec.metrics.update({"sweep": rows, "impl": args.impl, "scaling": args.scaling})
     nd.print0(f"wrote {nd.results.shown(rec.save())}")
     nd.shutdown()

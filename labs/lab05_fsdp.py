@@ -5,6 +5,8 @@
     torchrun --nproc_per_node=4 labs/lab05_fsdp.py --memory-only --steps 1  # model states at stages 0-3
     torchrun --nproc_per_node=2 labs/lab05_fsdp.py --timeline --steps 2     # FSDP's gathers, with and without prefetch
     torchrun --nproc_per_node=2 labs/lab05_fsdp.py --checkpointing-compare  # activation checkpointing: memory vs time
+    torchrun --nproc_per_node=4 labs/lab05_fsdp.py --impl fsdp --worlds 1 2 3 4 --total-batch 768 --micro-batch 1 \
+        --seq-len 64                                                        # strong scaling, one launch
 
 Every run trains the same GPT from the same weights on the same data (nanodist.experiment):
   ddp     nanodist.DDP + AdamW: everything replicated (stage 0)
@@ -34,6 +36,7 @@ IMPLS = {"ddp": ("nanodist-pg", "adamw", None), "zero1": ("none", "dist-adamw", 
          "zero2": ("none", "dist-adamw", 2), "fsdp": ("fsdp", "adamw", None), "fsdp2": ("fsdp2", "adamw", None)}
 STAGES = (("ddp", 0, "DDP + AdamW"), ("zero1", 1, "DistAdamW"), ("zero2", 2, "DistAdamW"), ("fsdp", 3, "FSDP + AdamW"))
 MIB = 2**20
+BLOCK_STEPS = 5  # a --worlds sweep's configurations take turns, this many steps each
 
 
 def parse_args():
@@ -47,8 +50,9 @@ def parse_args():
     p.add_argument("--memory-only", action="store_true",
                    help="no timed comparison: model states per rank at stages 0-3 after --steps steps")
     p.add_argument("--worlds", type=int, nargs="+", default=None,
-                   help="--memory-only: measure at these world sizes, on the first N ranks of this launch each (one "
-                        "launch instead of one per size; default: this launch's size)")
+                   help="measure at these world sizes, on the first N ranks of this launch each (one launch instead "
+                        "of one per size): with --memory-only the model states, else one --impl's step time "
+                        "(strong scaling with --total-batch)")
     p.add_argument("--timeline", action="store_true", help="record one FSDP step with prefetch and one without")
     p.add_argument("--checkpointing-compare", action="store_true",
                    help="FSDP with and without activation checkpointing: saved activations, peak, step time")
@@ -59,6 +63,11 @@ def parse_args():
 def check_budget(args, world_size):
     if args.budget is not None and not args.budget > 0:
         return f"--budget must be a positive number of MiB, got {args.budget}"
+    if args.worlds is not None and not args.memory_only:  # a timed sweep: one set-up at several world sizes
+        if args.impl == "all" or args.timeline or args.checkpointing_compare:
+            return "--worlds without --memory-only times one --impl (ddp, zero1, zero2, fsdp, fsdp2) at each world " \
+                   "size; not with --timeline or --checkpointing-compare"
+        return experiment.check_sweep(args, world_size)
     return experiment.check_worlds(args, world_size)
 
 
@@ -136,6 +145,23 @@ def checkpointing_compare(cfg, data, group) -> dict:
         times = [h["time_s"] for h in run.trainer.history[experiment.WARMUP_STEPS:]]
         out["on" if ckpt else "off"] = {**experiment.measure_peak_step(run), "median_step_s": statistics.median(times)}
     return out
+
+
+def sweep(args, cfg, data, group) -> dict:
+    """--worlds (timed): one implementation at each world size, in turns (experiment.sweep); strong scaling when
+    --total-batch is given (the same batch at every world size), weak otherwise."""
+    wrapper, optimizer, stage = IMPLS[args.impl]
+    scaling = "strong" if cfg.total_batch is not None else "weak"
+    nd.print0(f"== {args.impl}, {scaling} scaling: world sizes {args.worlds}, {cfg.steps} steps each, taking turns "
+              f"every {BLOCK_STEPS} steps, gradients through the process group")
+    rows = experiment.sweep(cfg, data, group, args.worlds, [cfg.micro_batch], cfg.steps, BLOCK_STEPS,
+                            wrapper=wrapper, optimizer=optimizer, zero_stage=stage)
+    if not group.is_main:
+        return {}
+    for row in rows:
+        nd.print0(f"W={row['world_size']}: {row['tokens_per_s']:9.0f} tokens/s  step {1e3 * row['median_step_s']:8.2f} ms"
+                  + (f"  {scaling}-scaling speedup {row['speedup']:.2f}" if "speedup" in row else ""))
+    return {"sweep": rows, "impl": args.impl, "scaling": scaling}
 
 
 def compare(args, cfg, data, group, rec) -> dict:
@@ -230,7 +256,9 @@ def main():
                   f"{c['on']['activations_max'] / MIB:.2f} MiB, peak per rank {c['off']['peak'] / MIB:.2f} -> "
                   f"{c['on']['peak'] / MIB:.2f} MiB, step {1e3 * c['off']['median_step_s']:.1f} -> "
                   f"{1e3 * c['on']['median_step_s']:.1f} ms")
-    if timed:
+    if timed and args.worlds is not None:
+        rec.metrics.update(sweep(args, cfg, data, group))
+    elif timed:
         rec.metrics.update(compare(args, cfg, data, group, rec))
     nd.print0(f"wrote {nd.results.shown(rec.save())}")
     nd.shutdown()

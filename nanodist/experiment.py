@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from . import perf, results, runtime
+from .bench import take_turns
 from .data import CharTokenizer, TokenStream, load_corpus, train_val_split
 from .ddp import DDP, NaiveDDP
 from .fsdp import FSDP
@@ -235,6 +236,91 @@ def check_worlds(args, world_size: int) -> str | None:
     if bad:
         return f"--worlds: {bad[0]} rank(s) cannot be formed from this launch's {world_size}: use 1 to {world_size}"
     return None
+
+
+def check_sweep(args, world_size: int) -> str | None:
+    """A timed sweep's --worlds and --micro-batches (one set-up at several world sizes and micro-batch sizes), or
+    why not: every world size formable from the launch, distinct positive integers, a total batch that splits."""
+    worlds, batches = args.worlds or [world_size], getattr(args, "micro_batches", None) or [args.micro_batch]
+    bad = [n for n in worlds if not 1 <= n <= world_size]
+    if bad:
+        return f"--worlds: {bad[0]} rank(s) cannot be formed from this launch's {world_size}: use 1 to {world_size}"
+    if any(b < 1 for b in batches) or len(set(worlds)) < len(worlds) or len(set(batches)) < len(batches):
+        return "--worlds and --micro-batches take distinct positive integers"
+    for n in worlds:
+        for b in batches:
+            total = total_batch(RunConfig.from_args(args, "cpu").replace(micro_batch=b), n)
+            if total is not None and total % (n * b * args.seq_len):
+                return (f"the total batch of {total} tokens does not split into {n} rank(s) x micro-batches of "
+                        f"{b} x {args.seq_len} tokens: give --total-batch a multiple of every world size x "
+                        f"micro-batch x seq-len")
+    return None
+
+
+def exposed_communication(timeline: list[dict], buckets: int) -> list[dict]:
+    """From nanodist DDP's bucket timeline (`buckets` entries per backward), one dict per timed backward: the
+    autograd time from its first gradient (backward_s), the wait after it until every bucket had arrived
+    (exposed_s: the communication the step did not hide, including any wait for a slower rank), and the time from
+    the first bucket's launch to the last one's arrival (span_s)."""
+    backwards = [timeline[i:i + buckets] for i in range(0, len(timeline), buckets)]
+    return [{"backward_s": b[0]["autograd_end_s"], "exposed_s": b[0]["synced_s"] - b[0]["autograd_end_s"],
+             "span_s": max(e["done_s"] for e in b) - min(e["launch_s"] for e in b)}
+            for b in backwards[WARMUP_STEPS:] or backwards]
+
+
+def sweep(cfg, data, group: Group, worlds, micro_batches, steps: int, block_steps: int = 5,
+          **build_kwargs) -> list[dict] | None:
+    """One set-up (`build`'s keyword arguments) at every world size x micro-batch, in one launch: each world on
+    the launch's first N ranks while the others wait, the configurations taking turns in blocks of `block_steps`
+    steps so that the machine's background load falls on all of them alike. Returns, on rank 0 (a member of
+    every world), one row per configuration: world_size, micro_batch, grad_accum, params, tokens_per_step,
+    median_step_s, tokens_per_s, step_times_s (the timed steps), speedup and efficiency against the 1-rank row of
+    the same micro-batch when there is one, and with record_timeline=True (nanodist DDP, world sizes above 1) the
+    medians over the timed steps of rank 0's backward_s, exposed_comm_s and comm_span_s (`exposed_communication`)
+    and comm_s: each step's shortest wait over the ranks (the last rank to finish its backward waits for the
+    transfer alone); None on the other ranks."""
+    subs = first_ranks(group, sorted(set(worlds)))
+    runs, only = {}, {}
+    for n in worlds:
+        for b in micro_batches:
+            name = f"W={n} micro-batch={b}"
+            only[name] = n
+            if subs[n] is not None:
+                runs[name] = build(cfg.replace(micro_batch=b), data, subs[n], name=name, **build_kwargs)
+    take_turns({name: (lambda r=runs.get(name): r and r.trainer.fit(max_steps=block_steps)) for name in only},
+               rounds=-(-steps // block_steps), rotate=True, only=only, group=group)
+    waits = {}  # with a timeline: every rank's backwards, gathered on the world's members (the same order on all)
+    for n in worlds:
+        for b in micro_batches:
+            run = runs.get(f"W={n} micro-batch={b}")
+            if run is not None and n > 1 and isinstance(run.model, DDP) and run.model.record_timeline:
+                waits[n, b] = subs[n].all_gather_object(exposed_communication(run.model.timeline,
+                                                                              len(run.model.buckets)))
+    if not group.is_main:
+        return None
+    rows = []
+    for n in worlds:
+        for b in micro_batches:
+            run = runs[f"W={n} micro-batch={b}"]
+            r = summarize(run)
+            rows.append({"world_size": n, "micro_batch": b, "grad_accum": r["grad_accum"], "params": r["params"],
+                         "tokens_per_step": r["tokens_per_step"], "median_step_s": r["median_step_s"],
+                         "tokens_per_s": r["tokens_per_s"], "flops_per_token": r["flops_per_token"],
+                         "step_times_s": [h["time_s"] for h in run.trainer.history[WARMUP_STEPS:]]})
+            if (n, b) in waits:  # medians over the timed steps
+                ranks, med = waits[n, b], statistics.median
+                rows[-1].update({
+                    "backward_s": med(x["backward_s"] for x in ranks[0]),
+                    "exposed_comm_s": med(x["exposed_s"] for x in ranks[0]),  # rank 0's, as its step saw it
+                    "comm_span_s": med(x["span_s"] for x in ranks[0]),
+                    # the rank that arrived last waited for the transfer alone: the all-reduce without the skew
+                    "comm_s": med(min(x["exposed_s"] for x in step) for step in zip(*ranks))})
+    one = {row["micro_batch"]: row for row in rows if row["world_size"] == 1}
+    for row in rows:
+        if row["micro_batch"] in one:
+            row["speedup"] = row["tokens_per_s"] / one[row["micro_batch"]]["tokens_per_s"]
+            row["efficiency"] = row["speedup"] / row["world_size"]
+    return rows
 
 
 def first_ranks(group: Group, sizes) -> dict[int, Group | None]:

@@ -704,6 +704,37 @@ def overlap_threshold_tokens(flops_per_token: float, params: int, flops: float, 
 
 
 
+def knee(rows: list[dict]) -> dict:
+    """The overlap criterion's T*, measured: the tokens per rank whose backward pass takes as long as the gradient
+    all-reduce. `rows`: a lab03 sweep at one world size above 1 over several micro-batches, recorded with
+    --timeline and one bucket, so that the all-reduce leaves after the backward and the two are timed apart
+    (backward_s, and comm_s: the wait of the rank that arrived last, the all-reduce without the ranks' skew;
+    exposed_comm_s where a row has no comm_s).
+
+    The backward is fitted as a line in the tokens per rank, a + b T (least squares): b is what each token's
+    FLOPs cost, a what every backward pays whatever the batch (launching the kernels, allocating the gradients:
+    on a CPU, far from nothing). The all-reduce's time C is the median over the rows (its size does not depend on
+    the batch). The criterion compares the FLOPs with the bytes, so T* = C / b. Returns {"tokens", "comm_s",
+    "backward_per_token_s", "backward_fixed_s", "world_size"}."""
+    worlds = {r["world_size"] for r in rows}
+    if len(worlds) != 1 or min(worlds) < 2 or any("backward_s" not in r for r in rows) or \
+            len({r["tokens_per_step"] for r in rows}) < 2:
+        raise ValueError("knee: need a sweep of two or more micro-batches at one world size above 1, recorded with "
+                         "--timeline (lab03 --worlds N --micro-batches ... --timeline)")
+    world = worlds.pop()
+    xs = [r["tokens_per_step"] / world for r in rows]
+    ys = [r["backward_s"] for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        raise ValueError(f"knee: the backward did not grow with the batch ({', '.join(f'{y:.3g} s' for y in ys)}): "
+                         f"sweep micro-batches further apart")
+    comms = sorted(r.get("comm_s", r["exposed_comm_s"]) for r in rows)
+    comm = (comms[(len(comms) - 1) // 2] + comms[len(comms) // 2]) / 2
+    return {"tokens": comm / slope, "comm_s": comm, "backward_per_token_s": slope, "backward_fixed_s": my - slope * mx,
+            "world_size": world}
+
+
 # ----------------------------------------------------------------------------- choosing a strategy
 
 MODELS = {

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import nanodist as nd
+from nanodist import scaling as S
 from nanodist.results import load_all
 from nanodist.testing import run_script, within
 from wandb_offline import history as wandb_history
@@ -90,8 +91,10 @@ def test_speedup_against_an_earlier_one_rank_run(results_dir):
     (["--micro-batch", "512", "--seq-len", "512"], "token stream too small"),
     (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
     (["--worlds", "1"], "--worlds and --micro-batches measure one data-parallel --impl"),
+    (["--impl", "nanodist", "--worlds", "1", "--verify"], "without --verify"),
     (["--impl", "nanodist", "--worlds", "1", "2"], "2 rank(s) cannot be formed from this launch's 1"),
     (["--impl", "nanodist", "--micro-batches", "2", "2"], "distinct positive integers"),
+    (["--impl", "torch", "--worlds", "1", "--timeline"], "--timeline records nanodist DDP's buckets"),
     (["--impl", "nanodist", "--scaling", "strong", "--total-batch", "64", "--micro-batches", "3"],
      "the total batch of 64 tokens does not split into 1 rank(s) x micro-batches of 3 x 16 tokens"),
 ])
@@ -138,3 +141,18 @@ def test_one_launch_measures_several_world_sizes_and_micro_batches(results_dir):
     for r in rows:
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / one[r["micro_batch"]])
         assert r["efficiency"] == pytest.approx(r["speedup"] / r["world_size"])
+
+
+def test_a_sweep_with_a_timeline_times_the_backward_and_the_wait_for_the_buckets(results_dir):
+    """--timeline in a sweep (Chapter 8's knee): rows above one rank carry the backward's time and what the step
+    waited for its buckets -- rank 0's wait, and each step's shortest wait over the ranks (no slower peer in it)."""
+    run = nd.launch("lab03_ddp", nproc=2, timeout=120, echo=False,
+                    args=SMALL + ["--impl", "nanodist-pg", "--bucket-mb", "100", "--worlds", "1", "2",
+                                  "--micro-batches", "1", "4", "--timeline"])
+    rows = run.results["metrics"]["sweep"]
+    keys = ("backward_s", "exposed_comm_s", "comm_span_s", "comm_s")
+    assert [all(k in r for k in keys) for r in rows] == [False, False, True, True]
+    for r in rows[2:]:
+        assert 0 < r["backward_s"] < r["median_step_s"] and 0 < r["comm_s"] <= r["exposed_comm_s"] < r["median_step_s"]
+    k = S.knee(rows[2:])  # two micro-batches: the line through them
+    assert k["world_size"] == 2 and k["tokens"] > 0

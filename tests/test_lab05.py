@@ -1,9 +1,14 @@
 """Lab 5 end to end at a tiny size: DDP, ZeRO-2, nanodist FSDP and torch FSDP2 taking turns on two gloo ranks, with a
 budget; and its memory (stages 0-3 against the formula), timeline and activation-checkpointing modes on three ranks."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 import nanodist as nd
 from nanodist.memory import zero_memory_bytes
+from nanodist.results import REPO_ROOT
 from nanodist.testing import within
 
 pytestmark = pytest.mark.dist
@@ -82,3 +87,29 @@ def test_lab05_with_one_rank_keeps_its_metrics(tmp_path):
     m = run.results["metrics"]
     assert set(m["impls"]) == {"ddp", "zero1", "zero2", "fsdp", "fsdp2"} and "ratio_bytes_sent_fsdp_vs_ddp" not in m
     assert "bytes sent per step: none with one rank" in run.output and m["ratio_states_fsdp_vs_ddp"] > 0.9
+
+
+def test_lab05_worlds_times_one_implementation_at_several_world_sizes(tmp_path):
+    """--worlds without --memory-only (Chapter 8's Amdahl fit): one implementation's step at each world size, in
+    turns, the same total batch at each (strong scaling), speedups against the 1-rank row."""
+    run = nd.launch("lab05_fsdp", nproc=2, timeout=120, echo=False, env={"NANODIST_RESULTS_DIR": str(tmp_path)},
+                    args=TINY + ["--impl", "fsdp", "--steps", "5", "--worlds", "1", "2", "--total-batch", "128"])
+    m = run.results["metrics"]
+    assert m["impl"] == "fsdp" and m["scaling"] == "strong"
+    rows = m["sweep"]
+    assert [(r["world_size"], r["grad_accum"]) for r in rows] == [(1, 4), (2, 2)]  # 128 = N x 2 x 16 x accumulation
+    assert rows[0]["speedup"] == 1 and rows[1]["speedup"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert all(len(r["step_times_s"]) == 5 - 3 for r in rows)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--worlds", "1"], "--worlds without --memory-only times one --impl"),
+    (["--impl", "fsdp", "--worlds", "1", "--timeline"], "not with --timeline"),
+    (["--impl", "fsdp", "--worlds", "2"], "2 rank(s) cannot be formed from this launch's 1"),
+    (["--impl", "fsdp", "--worlds", "1", "--total-batch", "100"], "total batch of 100 tokens is not a positive multiple"),
+])
+def test_lab05_bad_worlds_is_a_clear_message(tmp_path, args, message):
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "labs" / "lab05_fsdp.py"), *TINY, "--steps", "5", *args],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "NANODIST_RESULTS_DIR": str(tmp_path)})
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -239,3 +239,21 @@ def test_charging_nccl_latency_per_bucket_misses_the_playbook_at_scale():
     cal = S.calibrate(ps.model, timed, "ddp", ps.calibration)
     rows = S.check(ps.model, timed, "ddp", ps.judged, cal)
     assert [r["within"] for r in rows][:3] == [True] * 3 and not rows[-1]["within"] and not rows[-2]["within"]
+
+
+def test_the_knee_is_where_the_backward_line_meets_the_all_reduce():
+    """knee: a line a + bT through the backward times, the all-reduce the median of the rows; T* = C / b."""
+    rows = [{"world_size": 2, "tokens_per_step": 2 * t, "backward_s": 0.05 + 0.0005 * t, "exposed_comm_s": c + 0.01,
+             "comm_s": c} for t, c in ((16, 0.040), (64, 0.060), (256, 0.050))]
+    k = S.knee(rows)
+    assert k["backward_per_token_s"] == pytest.approx(0.0005) and k["backward_fixed_s"] == pytest.approx(0.05)
+    assert k["comm_s"] == pytest.approx(0.050) and k["tokens"] == pytest.approx(0.050 / 0.0005)
+    even = rows + [{**rows[0], "comm_s": 0.070, "tokens_per_step": 1024}]  # four rows: the middle two's mean
+    even[-1]["backward_s"] = 0.05 + 0.0005 * 512
+    assert S.knee(even)["comm_s"] == pytest.approx(0.055)
+    no_comm_s = [{k: v for k, v in r.items() if k != "comm_s"} for r in rows]  # rank 0's wait when that is all
+    assert S.knee(no_comm_s)["comm_s"] == pytest.approx(0.060)
+    with pytest.raises(ValueError, match="one world size above 1"):
+        S.knee([{**r, "world_size": 1} for r in rows])
+    with pytest.raises(ValueError, match="did not grow with the batch"):
+        S.knee([{**r, "backward_s": 0.1 - 0.0001 * r["tokens_per_step"]} for r in rows])
