@@ -257,3 +257,15 @@ def test_the_knee_is_where_the_backward_line_meets_the_all_reduce():
         S.knee([{**r, "world_size": 1} for r in rows])
     with pytest.raises(ValueError, match="did not grow with the batch"):
         S.knee([{**r, "backward_s": 0.1 - 0.0001 * r["tokens_per_step"]} for r in rows])
+
+
+def test_a_link_fitted_to_a_lab_run_says_so():
+    """The first kind of source: a Link from nanodist.costmodel's fit of a lab02 run keeps its bandwidth and
+    latency and names the fit."""
+    from nanodist import costmodel
+    fit = costmodel.CostModel.from_link("ring_all_reduce", 2e-4, 1.5, backend="gloo", device="cpu", world_size=2,
+                                        n_points=6)
+    link = S.Link.from_costmodel(fit, "gloo here")
+    assert (link.name, link.busbw_GBps, link.latency_s) == ("gloo here", 1.5, 2e-4)
+    assert link.source == "fitted: ring_all_reduce on gloo (cpu), 6 sizes at 2 ranks"
+    assert link.time("all_reduce", 1e6, 2) == pytest.approx(2 * 2e-4 + 1e6 / 1.5e9)

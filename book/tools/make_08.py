@@ -671,7 +671,29 @@ The backward has a part that does not grow with the batch ({glue:text}`backward_
 of small operations, allocating the gradients), which the criterion, counting FLOPs against bytes, leaves out.
 And nothing hides here: with the cores full, a bucket sent during the backward slows the backward down, which is
 why Chapter 3's timeline showed buckets leaving during the backward but finishing after it.
+""")
 
+md(r"""
+Where the bandwidth comes from moves the prediction. The same knee, predicted with the link fitted to your
+run minutes ago, and with links fitted to the committed reference runs of Lab 2 (other machines: the
+projection's second kind of source), against the one measured:
+""")
+
+code(r"""
+links = {"your Lab 2 run, minutes ago": scaling.Link.from_costmodel(ar, "gloo, this machine")}
+for ref in nd.results.references("lab02_allreduce", match=lambda r: r["world_size"] == 2 and "sweep" in r["metrics"]):
+    fitted = costmodel.fit_results(ref, ops=["dist.all_reduce"], min_bytes=8 * 2**20)["dist.all_reduce"]
+    links[f"reference: {provenance(ref)}"] = scaling.Link.from_costmodel(fitted, "gloo, reference machine")
+knee_rows = [{"bandwidth from": name, "bus bandwidth (GB/s)": round(link.busbw_GBps, 2),
+         "knee (tokens per rank)": round(scaling.overlap_threshold_tokens(fpt, P, e_cpu * rate, link.busbw_GBps,
+                                                                          grad_bytes=4, gpus=2)),
+         "how the link was made": link.source} for name, link in links.items()]
+knee_rows.append({"bandwidth from": "measured: the sweep above", "knee (tokens per rank)": round(k["tokens"])})
+assert len(knee_rows) >= 3 and knee_rows[0]["knee (tokens per rank)"] == round(predicted)
+Table(knee_rows)
+""", MACHINE)
+
+md(r"""
 ## Which strategy for my model on my cluster
 
 With $e$ and $\rho$ set, the projection answers the practical question: for a model, a cluster and a
