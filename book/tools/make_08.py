@@ -22,6 +22,7 @@ By the end of the chapter you will be able to:
 - say where each number of a projection comes from: a datasheet, a published measurement, or a run of
   your own;
 - calibrate a projection on some measured runs and judge it on others, and read the residuals;
+- compare ring, tree and hierarchical all-reduce by what each call pays in latency, and say when it matters;
 - fit Amdahl's law to your own strong-scaling runs and say what its serial fraction means;
 - say when communication hides behind compute, from the ratio of a GPU's FLOP/s to its link's bandwidth,
   and find that point on your own machine;
@@ -890,6 +891,10 @@ md(r"""
   {glue:md}`pb_worst` at worst with $e$ = {glue:text}`pb_e:.2f` and $\rho$ = {glue:text}`pb_rho:.0f` taken from three other runs.
 - Measure the network: a datasheet bandwidth misses the Playbook's points ({glue:md}`ds_missed`), because real
   all-reduce bandwidth falls with the number of nodes.
+- Latency is per call: a ring pays $2(N-1)$ hops, a tree about $2\log_2$(nodes), so at scale small messages go by
+  tree and larger buckets pay less. Charged per 25 MB bucket on top of the Playbook's measured bandwidths,
+  NCCL's tuning latencies miss its largest runs ({glue:md}`lat_missed`): a latency model is for comparing
+  algorithms, not (here) for predicting a step.
 - Memory projections are a floor: real stacks add buffers and fragmentation on top of states, activations and
   logits.
 - Amdahl's serial fraction summarises strong scaling; on a machine with fewer cores than ranks it also
