@@ -1,0 +1,263 @@
+"""Lab 7 — debugging: the classic failures of distributed training, planted on one rank, diagnosed from what the
+tools report.
+
+    python labs/lab07_debug.py --fault hang               # launch the ranks, plant the fault on a random one, diagnose
+    python labs/lab07_debug.py --fault all                # every fault in turn
+    torchrun --nproc_per_node=2 labs/lab07_debug.py --fault nan --rank 1   # the faulty run alone: the tools' raw output
+
+Run without torchrun, the lab is the triage: it launches the faulty run (2 ranks, or 3 where only a majority can say
+which rank is the odd one out), reads what the tools printed or raised, and prints the diagnosis -- the rank, and
+the tensor, step or collective -- with the evidence line it read it from. The diagnosis never reads --rank: it
+comes from the tools alone, and the results file records both, so a wrong diagnosis shows. The faults:
+
+  hang        a rank stops before a collective        the divergence detector's watchdog: who is not in a collective
+  dead-peer   a rank is killed (SIGKILL)              the launcher's report: the rank and its signal
+  nan         a rank's loss turns NaN                 the Trainer's non-finite stop: which rank's loss
+  desync      a rank initialised from another seed,   nanodist.check.assert_params_in_sync: the first tensor that
+              with no broadcast                       differs and the rank that disagrees with the others
+  mismatch    a rank all-reduces a tensor of another  TORCH_DISTRIBUTED_DEBUG=DETAIL: each rank's collective
+              shape                                   fingerprint; the odd one out
+  uneven-data a rank's shard of the data is short     nanodist.check.check_sampler_exactly_once: each rank's count
+
+Every fault ends in seconds: a hang within the collective timeout the lab sets (NANODIST_TIMEOUT, 8 s here), never
+torch's default 30 minutes.
+"""
+import argparse
+import collections
+import json
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: python labs/lab07_debug.py
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+import nanodist as nd  # noqa: E402
+from nanodist import check, faults, parity  # noqa: E402
+from nanodist.results import Recorder  # noqa: E402
+
+TIMEOUT_S = 8  # the collective timeout of a faulty run: a hang is over well within the demo's 15 s
+STEPS = 4
+PLANT_AT = 2  # the step at which a fault strikes
+
+
+@dataclass
+class Fault:
+    """A failure to plant (`run`, on every rank of a launch of `world` ranks) and how to read the tools' report
+    of it (`diagnose(output)` -> (rank, what, evidence line) or None)."""
+
+    name: str
+    about: str
+    world: int
+    run: object
+    diagnose: object
+    env: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- the faulty runs (on every rank)
+
+def _train(bad: int, plant, steps: int = STEPS):
+    """nanodist DDP + AdamW on a small user-style model; `plant(step, model)` runs on every rank before each step."""
+    group = nd.Group.world()
+    model = parity.UserModel(layers=2)
+    ddp = nd.DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        plant(step, model)
+        x, y = parity.batch(step, group.rank, group.size)
+        ddp(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    nd.print0(f"{steps} steps done")
+
+
+def run_hang(bad: int) -> None:
+    _train(bad, lambda step, _: faults.hang(bad, 60) if step == PLANT_AT else None)
+
+
+def run_dead_peer(bad: int) -> None:
+    _train(bad, lambda step, _: faults.die(bad, after_s=0.2) if step == PLANT_AT else None)
+
+
+def run_nan(bad: int) -> None:
+    from nanodist.train import TrainConfig, Trainer
+    group = nd.Group.world()
+    model = parity.UserModel(layers=2)
+    model.forward = faults.nan_loss(model.forward, bad, call=PLANT_AT + 1)
+    ddp = nd.DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def batches():
+        step = 0
+        while True:
+            yield parity.batch(step, group.rank, group.size)
+            step += 1
+
+    cfg = TrainConfig(steps=STEPS, micro_batch=parity.GLOBAL_BATCH // group.size, seq_len=parity.SEQ, lr=1e-2,
+                      log_every=0, progress=False)
+    Trainer(ddp, opt, batches(), cfg, group=group).fit()
+
+
+def run_desync(bad: int) -> None:
+    group = nd.Group.world()
+    model = parity.UserModel(layers=2, seed=1 if group.rank == bad else 0)  # its own seed, and no broadcast
+    check.assert_params_in_sync(model)
+
+
+def run_mismatch(bad: int) -> None:
+    group = nd.Group.world()
+    t = torch.ones(4 if group.rank == bad else 3)  # e.g. a metric vector with one entry more on one rank
+    torch.distributed.all_reduce(t)
+
+
+def run_uneven_data(bad: int) -> None:
+    group = nd.Group.world()
+    n = 30
+    mine = list(range(group.rank, n, group.size))
+    if group.rank == bad:
+        mine = mine[:-2]  # e.g. a hand-made split that drops a remainder on one rank
+    check.check_sampler_exactly_once(iter(mine), dataset_len=n)  # this rank's indices: a collective check
+
+
+# ----------------------------------------------------------------------------- reading the tools' report
+
+def _majority_odd_one(by_rank: dict) -> int | None:
+    """The rank whose value differs from every other rank's, which agree (None when no single rank stands out)."""
+    counts = collections.Counter(by_rank.values())
+    odd = [r for r, v in by_rank.items() if counts[v] == 1]
+    return odd[0] if len(odd) == 1 and len(counts) == 2 and len(by_rank) > 2 else None
+
+
+def _line(output: str, pattern: str) -> str:
+    return next((ln.strip() for ln in output.splitlines() if re.search(pattern, ln)), "")
+
+
+def diagnose_hang(output: str):
+    found = re.findall(r"rank (\d+) is not in a collective", output)
+    if not found:
+        return None
+    rank = collections.Counter(found).most_common(1)[0][0]
+    where = re.search(rf"rank {rank} is not in a collective[^\n]*", output).group(0)
+    return int(rank), "hangs outside any collective while the others wait for it", where
+
+
+def diagnose_dead_peer(output: str):
+    m = re.search(r"rank (\d+)[^\n]*(SIGKILL|killed by signal \d+)[^\n]*", output)
+    return None if m is None else (int(m.group(1)), "was killed by a signal; its peers lost it", m.group(0).strip())
+
+
+def diagnose_nan(output: str):
+    m = re.search(r"non-finite values at step (\d+)[^\n]*?the loss was nan on rank (\d+)", output)
+    if m is None:
+        return None
+    return int(m.group(2)), f"its loss was NaN at step {m.group(1)}", _line(output, "non-finite values at step")
+
+
+def diagnose_desync(output: str):
+    tensor = re.search(r"out of sync across \d+ ranks: '([^']+)'", output)
+    groups = re.search(r"ranks with identical copies: ([^\n]*)", output)
+    if tensor is None or groups is None:
+        return None
+    by_rank = {int(r): i for i, group in enumerate(groups.group(1).split(";")) for r in re.findall(r"\d+", group)}
+    odd = _majority_odd_one(by_rank)
+    if odd is None:
+        return None
+    return odd, f"holds other values of {tensor.group(1)} than the others (initialised apart, never broadcast)", \
+        _line(output, "ranks with identical copies")
+
+
+def diagnose_mismatch(output: str):
+    shapes = {int(r): s for r, s in re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\([^)]*?"
+                                              r"TensorShape=\[([^\]]*)\]", output)}
+    odd = _majority_odd_one(shapes)
+    if odd is None:
+        return None
+    return odd, f"all-reduces a tensor of shape [{shapes[odd]}] where the others' is " \
+                f"[{next(v for r, v in shapes.items() if r != odd)}]", _line(output, "Detected mismatch between collectives")
+
+
+def diagnose_uneven_data(output: str):
+    m = re.search(r"rank (\d+) reads (\d+) samples, but a rank's share[^\n]*", output)
+    return None if m is None else (int(m.group(1)), f"reads only {m.group(2)} samples", m.group(0).strip())
+
+
+FAULTS = {f.name: f for f in (
+    Fault("hang", "a rank stops before a collective", 2, run_hang, diagnose_hang, {"NANODIST_STALL_S": "1"}),
+    Fault("dead-peer", "a rank is killed by SIGKILL", 2, run_dead_peer, diagnose_dead_peer),
+    Fault("nan", "a rank's loss turns NaN", 2, run_nan, diagnose_nan),
+    Fault("desync", "a rank initialised from another seed, no broadcast", 3, run_desync, diagnose_desync),
+    Fault("mismatch", "a rank all-reduces a tensor of another shape", 3, run_mismatch, diagnose_mismatch,
+          {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
+    Fault("uneven-data", "a rank's shard of the data is short", 2, run_uneven_data, diagnose_uneven_data),
+)}
+
+
+# ----------------------------------------------------------------------------- triage: launch, read, diagnose
+
+def triage(fault: Fault, bad: int) -> dict:
+    """Launch the faulty run, then diagnose it from its output alone (the launcher's report included)."""
+    t0 = time.monotonic()
+    env = {"NANODIST_TIMEOUT": str(TIMEOUT_S), **fault.env}
+    try:
+        run = nd.launch(__file__, nproc=fault.world, args=["--fault", fault.name, "--rank", str(bad)], timeout=60,
+                        env=env, echo=False)
+        output, failed = run.output, None
+    except nd.LaunchError as e:
+        output, failed = f"{e}\n{e.output}", e
+    took = time.monotonic() - t0
+    found = fault.diagnose(output)
+    row = {"fault": fault.name, "world_size": fault.world, "planted_rank": bad, "seconds": round(took, 1),
+           "launch_failed": failed is not None, "diagnosed_rank": None, "diagnosis": None, "evidence": None}
+    if found is not None:
+        row.update(diagnosed_rank=found[0], diagnosis=f"rank {found[0]}: {found[1]}", evidence=found[2])
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fault", choices=list(FAULTS) + ["all"], required=True)
+    p.add_argument("--rank", type=int, default=None, help="the rank to plant the fault on (default: a random one)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the random choice of rank")
+    args = p.parse_args()
+    if "RANK" in os.environ:  # a rank of the faulty run
+        if args.fault == "all" or args.rank is None:
+            p.error("under torchrun, give one --fault and its --rank")
+        world = int(os.environ["WORLD_SIZE"])
+        if not 0 <= args.rank < world:
+            p.error(f"--rank {args.rank}: this launch has ranks 0 to {world - 1}")
+        nd.init(timeout=float(os.environ.get("NANODIST_TIMEOUT", TIMEOUT_S)))
+        FAULTS[args.fault].run(args.rank)
+        nd.shutdown()
+        return 0
+    names = list(FAULTS) if args.fault == "all" else [args.fault]
+    if args.rank is not None and any(not 0 <= args.rank < FAULTS[n].world for n in names):
+        p.error(f"--rank {args.rank}: {', '.join(n for n in names if not args.rank < FAULTS[n].world)} runs on "
+                f"{min(FAULTS[n].world for n in names)} ranks")
+    rng = random.Random(args.seed)
+    rec = Recorder("lab07_debug", config=vars(args))
+    rows = []
+    for name in names:
+        fault = FAULTS[name]
+        bad = args.rank if args.rank is not None else rng.randrange(fault.world)
+        print(f"== {name}: {fault.about}, on one of {fault.world} ranks", flush=True)
+        row = triage(fault, bad)
+        rows.append(row)
+        if row["diagnosis"] is None:
+            print(f"   no diagnosis: the tools' output did not name a rank ({row['seconds']} s)")
+        else:
+            print(f"   the tools said: {row['evidence']}")
+            print(f"   diagnosis: {row['diagnosis']} ({row['seconds']} s; planted on rank {row['planted_rank']})")
+    rec.metrics["faults"] = rows
+    print(f"wrote {nd.results.shown(rec.save())}")
+    return 0 if all(r["diagnosed_rank"] == r["planted_rank"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
