@@ -64,9 +64,9 @@ def check_budget(args, world_size):
     if args.budget is not None and not args.budget > 0:
         return f"--budget must be a positive number of MiB, got {args.budget}"
     if args.worlds is not None and not args.memory_only:  # a timed sweep: one set-up at several world sizes
-        if args.impl == "all" or args.timeline or args.checkpointing_compare:
+        if args.impl == "all" or args.timeline or args.checkpointing_compare or args.budget is not None:
             return "--worlds without --memory-only times one --impl (ddp, zero1, zero2, fsdp, fsdp2) at each world " \
-                   "size; not with --timeline or --checkpointing-compare"
+                   "size; not with --timeline, --checkpointing-compare or --budget"
         return experiment.check_sweep(args, world_size)
     return experiment.check_worlds(args, world_size)
 

@@ -260,11 +260,13 @@ def check_sweep(args, world_size: int) -> str | None:
 def exposed_communication(timeline: list[dict], buckets: int) -> list[dict]:
     """From nanodist DDP's bucket timeline (`buckets` entries per backward), one dict per timed backward: the
     autograd time from its first gradient (backward_s), the wait after it until every bucket had arrived
-    (exposed_s: the communication the step did not hide, including any wait for a slower rank), and the time from
-    the first bucket's launch to the last one's arrival (span_s)."""
+    (exposed_s: the communication the step did not hide, including any wait for a slower rank), the time from
+    the first bucket's launch to the last one's arrival (span_s), and from the last bucket's launch until the
+    gradients were synchronised (after_last_launch_s)."""
     backwards = [timeline[i:i + buckets] for i in range(0, len(timeline), buckets)]
     return [{"backward_s": b[0]["autograd_end_s"], "exposed_s": b[0]["synced_s"] - b[0]["autograd_end_s"],
-             "span_s": max(e["done_s"] for e in b) - min(e["launch_s"] for e in b)}
+             "span_s": max(e["done_s"] for e in b) - min(e["launch_s"] for e in b),
+             "after_last_launch_s": b[0]["synced_s"] - max(e["launch_s"] for e in b)}
             for b in backwards[WARMUP_STEPS:] or backwards]
 
 
@@ -277,8 +279,9 @@ def sweep(cfg, data, group: Group, worlds, micro_batches, steps: int, block_step
     median_step_s, tokens_per_s, step_times_s (the timed steps), speedup and efficiency against the 1-rank row of
     the same micro-batch when there is one, and with record_timeline=True (nanodist DDP, world sizes above 1) the
     medians over the timed steps of rank 0's backward_s, exposed_comm_s and comm_span_s (`exposed_communication`)
-    and comm_s: each step's shortest wait over the ranks (the last rank to finish its backward waits for the
-    transfer alone); None on the other ranks."""
+    and comm_s: each step's shortest time from the last bucket's launch to the synchronised gradients, over the
+    ranks (the rank that launched last waits for the transfer alone), and the number of buckets; None on the other
+    ranks."""
     subs = first_ranks(group, sorted(set(worlds)))
     runs, only = {}, {}
     for n in worlds:
@@ -313,8 +316,10 @@ def sweep(cfg, data, group: Group, worlds, micro_batches, steps: int, block_step
                     "backward_s": med(x["backward_s"] for x in ranks[0]),
                     "exposed_comm_s": med(x["exposed_s"] for x in ranks[0]),  # rank 0's, as its step saw it
                     "comm_span_s": med(x["span_s"] for x in ranks[0]),
-                    # the rank that arrived last waited for the transfer alone: the all-reduce without the skew
-                    "comm_s": med(min(x["exposed_s"] for x in step) for step in zip(*ranks))})
+                    # from the last launch, on the rank that launched last (the shortest such wait of the step):
+                    # the transfer without waiting for a slower peer
+                    "comm_s": med(min(x["after_last_launch_s"] for x in step) for step in zip(*ranks)),
+                    "buckets": len(run.model.buckets)})
     one = {row["micro_batch"]: row for row in rows if row["world_size"] == 1}
     for row in rows:
         if row["micro_batch"] in one:

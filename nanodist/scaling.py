@@ -18,7 +18,8 @@ One optimizer step, per GPU:
                ZeRO's parameter all-gather after the update is never hidden;
                fsdp: two all-gathers and a reduce-scatter every micro-batch, under all the step's compute
                (prefetching); with full recomputation the backward is 3/4 of the compute, not 2/3
-    update   = the AdamW update: 30 bytes of HBM traffic per parameter the GPU updates / HBM bandwidth
+    update   = the AdamW update: 24 + gradient + weight-copy bytes of HBM traffic per parameter the GPU updates
+               (30 with fp32 gradients and bf16 weights) / HBM bandwidth
     step     = compute + update + comm - min(hidden, the comm that can hide)
 
 `compute_efficiency` is the fraction of the GPU's peak the model's FLOPs reach when nothing waits for the network
@@ -133,9 +134,10 @@ class GPU:
     hbm_GBps: float | None = None  # HBM bandwidth, 10^9 bytes/s (None: the optimizer step's time is not projected)
 
 
-# Bytes of HBM traffic per parameter one AdamW update moves with fp32 master weights, fused (one pass): it reads
-# the fp32 weight, gradient and two moments (16) and writes the weight, the moments and the bf16 copy (14).
-ADAMW_BYTES_PER_PARAM = 30
+# Bytes of HBM traffic per parameter one AdamW update moves with fp32 master weights, fused (one pass), besides the
+# gradient it reads and the compute-dtype copy of the weight it writes: the fp32 weight and two moments, read and
+# written. With fp32 gradients and a bf16 copy: 24 + 4 + 2 = 30.
+ADAMW_STATE_BYTES_PER_PARAM = 24
 
 
 @dataclass(frozen=True)
@@ -145,10 +147,12 @@ class Latency:
     inside a node (NVLink or PCIe) and across nodes (the network):
 
         ring all-reduce   base + (2(N - 1) - 2 nodes) x intra + 2 nodes x inter   (2 nodes: 0 on one node)
-        tree all-reduce   2 x ((GPUs per node - 1) x intra + log2(nodes) x inter)  (NCCL's double binary tree)
-        ring reduce-scatter / all-gather: half the ring all-reduce's hops
+        tree all-reduce   2 x ((GPUs per node - 1) x intra + log2(nodes) x inter)  (NCCL's double binary tree;
+                          log2 rounded down, as NCCL's log2i)
+        ring reduce-scatter / all-gather   base + (N - nodes) x intra + (nodes - 1) x inter
 
-    These are the figures NCCL's tuner uses to choose an algorithm, not measurements of a cluster."""
+    These are the figures NCCL's tuner uses to choose an algorithm, not measurements of a cluster; left out are
+    the topology's own inter-node latency and the network's per-step post overhead, which NCCL adds on top."""
 
     ring_base_s: float
     ring_intra_s: float
@@ -156,6 +160,16 @@ class Latency:
     tree_intra_s: float
     tree_inter_s: float
     source: str = ""
+
+    def __post_init__(self):
+        bad = {k: v for k, v in vars(self).items() if k != "source" and not (isinstance(v, (int, float)) and v >= 0)}
+        if bad:
+            raise ValueError(f"Latency: every latency must be a number of seconds >= 0, got {bad}")
+
+
+def _check_gpus(gpus) -> None:
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
 
 
 _NCCL_TUNING = "NCCL src/graph/tuning.cc at b6475625 (2.19 era), protocol Simple (labs/published/SOURCES.md)"
@@ -212,10 +226,15 @@ class Cluster:
         counts = [n for n, _ in self.by_nodes]
         if self.by_nodes and (counts[0] != 1 or counts != sorted(set(counts))):
             raise ValueError(f"Cluster {self.name!r}: by_nodes must start at 1 node and grow, got node counts {counts}")
+        if not self.measured_bytes > 0:
+            raise ValueError(f"Cluster {self.name!r}: measured_bytes must be positive, got {self.measured_bytes!r}")
+        for n, bw in self.by_nodes:  # a latency the measurements cannot hold fails here, not at a later projection
+            self._without_latency(n, bw)
 
     def _without_latency(self, nodes: int, busbw_GBps: float) -> float:
         """A bus bandwidth measured with one all-reduce of `measured_bytes` at `nodes` nodes, less that call's
-        latency (the faster of ring and tree, as NCCL's tuner would pick) when the cluster models latency."""
+        latency (the faster of ring and tree, the two algorithms NCCL's tuner picks between for an all-reduce; the
+        hierarchical one is this module's, not NCCL's) when the cluster models latency."""
         if self.latency is None or nodes == 1:
             return busbw_GBps
         gpus = nodes * self.gpus_per_node
@@ -232,6 +251,7 @@ class Cluster:
         hierarchical; see Latency). 0 when the cluster models no latency."""
         if algorithm not in ALL_REDUCE_ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALL_REDUCE_ALGORITHMS)}, got {algorithm!r}")
+        _check_gpus(gpus)
         if self.latency is None or gpus == 1:
             return 0.0
         lat, nodes = self.latency, math.ceil(gpus / self.gpus_per_node)
@@ -240,7 +260,7 @@ class Cluster:
             inter = 2 * nodes if nodes > 1 else 0
             return lat.ring_base_s + (2 * (gpus - 1) - inter) * lat.ring_intra_s + inter * lat.ring_inter_s
         if algorithm == "tree":
-            return 2 * ((local - 1) * lat.tree_intra_s + math.log2(nodes) * lat.tree_inter_s)
+            return 2 * ((local - 1) * lat.tree_intra_s + (nodes.bit_length() - 1) * lat.tree_inter_s)  # log2, floored
         # hierarchical: a ring reduce-scatter inside the node, a ring all-reduce of the shard across nodes (one
         # ring per local rank, side by side), a ring all-gather inside the node
         inside = 2 * (lat.ring_base_s + (local - 1) * lat.ring_intra_s) if local > 1 else 0.0
@@ -257,6 +277,7 @@ class Cluster:
                           all-reduce of S/g across nodes on each of the g local ranks' rings, which share the node's
                           network: 2 (n - 1)/n x S / the network's busbw
         The bandwidths are the ones `link` gives (measured by node count where the cluster has them)."""
+        _check_gpus(gpus)
         if not isinstance(calls, int) or calls < 1:
             raise ValueError(f"calls must be a positive integer, got {calls!r}")
         latency = calls * self.all_reduce_latency(gpus, algorithm)
@@ -273,11 +294,17 @@ class Cluster:
         return {"latency_s": latency, "bandwidth_s": bandwidth, "s": latency + bandwidth}
 
     def ring_latency(self, collective: str, gpus: int) -> float:
-        """Latency of one ring reduce-scatter or all-gather call: half the ring all-reduce's (NCCL runs both as
-        rings); of an all-reduce, the ring's."""
-        full = self.all_reduce_latency(gpus, "ring")
-        return full if collective == "all_reduce" else \
-            (0.0 if full == 0 else self.latency.ring_base_s + (full - self.latency.ring_base_s) / 2)
+        """Latency of one ring call of `collective`: an all-reduce's (see Latency); a reduce-scatter or an
+        all-gather runs N - 1 steps of which nodes - 1 cross between nodes (NCCL's count)."""
+        if collective not in _RING:
+            raise ValueError(f"collective must be one of {', '.join(_RING)}, got {collective!r}")
+        if collective == "all_reduce":
+            return self.all_reduce_latency(gpus, "ring")
+        _check_gpus(gpus)
+        if self.latency is None or gpus == 1:
+            return 0.0
+        lat, nodes = self.latency, math.ceil(gpus / self.gpus_per_node)
+        return lat.ring_base_s + (gpus - nodes) * lat.ring_intra_s + (nodes - 1) * lat.ring_inter_s
 
     def link(self, gpus: int) -> Link:
         """The link a ring over `gpus` GPUs runs at: the node's own for one node; across nodes, the measured
@@ -351,7 +378,7 @@ class Projection:
 
 def communication(strategy: str, params: int, gpus: int, link: Link, micro_batches: int = 1,
                   grad_bytes: float = 4, param_bytes: float = 2, cluster: Cluster | None = None,
-                  algorithm: str = "ring", bucket_bytes: float = 25e6, units: int = 1) -> dict:
+                  algorithm: str = "best", bucket_bytes: float = 25 * 2**20, units: int = 1) -> dict:
     """Seconds of each collective `strategy` runs in one optimizer step on `gpus` ranks, and which of them can hide
     under compute: {"hideable": [...], "exposed": [...]} of (collective, bytes, seconds).
 
@@ -365,7 +392,7 @@ def communication(strategy: str, params: int, gpus: int, link: Link, micro_batch
     Gradients move in `grad_bytes` per element, parameters in `param_bytes`.
 
     With a `cluster` that models latency, every call pays it: DDP and ZeRO send buckets of `bucket_bytes`
-    (DDP's 25 MB by default), FSDP one call per unit (`units`: its wrapped layers) for each collective; the
+    (DDP's 25 MiB by default, torch's bucket_cap_mb), FSDP one call per unit (`units`: its wrapped layers) for each collective; the
     all-reduce runs under `algorithm` (ring, tree, hierarchical, or "best": the fastest of them for this size, as
     NCCL's tuner chooses), reduce-scatter and all-gather as rings.
     """
@@ -377,6 +404,8 @@ def communication(strategy: str, params: int, gpus: int, link: Link, micro_batch
 
     if algorithm not in ALL_REDUCE_ALGORITHMS + ("best",):
         raise ValueError(f"algorithm must be one of {', '.join(ALL_REDUCE_ALGORITHMS)} or best, got {algorithm!r}")
+    if not bucket_bytes > 0 or not isinstance(units, int) or units < 1:
+        raise ValueError(f"need bucket_bytes > 0 and units a positive integer, got {bucket_bytes!r} and {units!r}")
 
     def op(collective: str, size: float, times: int = 1) -> tuple:
         if cluster is None or cluster.latency is None:
@@ -400,14 +429,16 @@ def communication(strategy: str, params: int, gpus: int, link: Link, micro_batch
             "exposed": []}
 
 
-def optimizer_seconds(params: int, gpus: int, strategy: str, gpu: GPU) -> float:
-    """The AdamW update's time on one GPU: ADAMW_BYTES_PER_PARAM bytes of HBM traffic for each parameter the GPU
-    updates (all of them under DDP; its 1/N shard under ZeRO and FSDP), at the GPU's HBM bandwidth. 0 when the GPU
-    does not say its bandwidth."""
+def optimizer_seconds(params: int, gpus: int, strategy: str, gpu: GPU, grad_bytes: float = 4,
+                      param_bytes: float = 2) -> float:
+    """The AdamW update's time on one GPU: for each parameter the GPU updates (all of them under DDP; its 1/N
+    shard under ZeRO and FSDP), ADAMW_STATE_BYTES_PER_PARAM + grad_bytes (the gradient read) + param_bytes (the
+    compute copy written) bytes of HBM traffic, at the GPU's HBM bandwidth. 0 when the GPU does not say its
+    bandwidth."""
     if gpu.hbm_GBps is None:
         return 0.0
     local = params if strategy == "ddp" else params / gpus
-    return ADAMW_BYTES_PER_PARAM * local / (gpu.hbm_GBps * 1e9)
+    return (ADAMW_STATE_BYTES_PER_PARAM + grad_bytes + param_bytes) * local / (gpu.hbm_GBps * 1e9)
 
 
 def window(strategy: str, grad_accum: int, recompute: bool = False) -> float:
@@ -422,7 +453,8 @@ def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micr
             compute_efficiency: float, overlap: float, grad_bytes: float = 4, param_bytes: float = 2,
             recompute: bool = False, algorithm: str = "best", bucket_MB: float = 25) -> Projection:
     """Project one optimizer step of `strategy` on `gpus` GPUs of `cluster` (see the module's docstring).
-    `algorithm` and `bucket_MB` matter only on a cluster that models latency (see `communication`)."""
+    `algorithm` and `bucket_MB` (MiB, as torch's bucket_cap_mb) matter only on a cluster that models latency (see
+    `communication`)."""
     for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -435,12 +467,12 @@ def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micr
     if recompute:  # the forward runs again in the backward: 8 FLOPs per weight and token where 6 were counted
         compute *= 4 / 3
     comm = communication(strategy, model.params, gpus, link, grad_accum, grad_bytes, param_bytes, cluster=cluster,
-                         algorithm=algorithm, bucket_bytes=bucket_MB * 1e6, units=model.layers + 1) if gpus > 1 \
+                         algorithm=algorithm, bucket_bytes=bucket_MB * 2**20, units=model.layers + 1) if gpus > 1 \
         else {"hideable": [], "exposed": []}
     hideable = sum(s for _, _, s in comm["hideable"])
     exposed = sum(s for _, _, s in comm["exposed"])
     waits = exposed + hideable - min(overlap * window(strategy, grad_accum, recompute) * compute, hideable)
-    update = optimizer_seconds(model.params, gpus, strategy, cluster.gpu)
+    update = optimizer_seconds(model.params, gpus, strategy, cluster.gpu, grad_bytes, param_bytes)
     step = compute + update + waits
     states = zero_memory_bytes(model.params, gpus, _STAGE[strategy], param_bytes=param_bytes, grad_bytes=grad_bytes,
                                optim_bytes_per_param=12)["total"]
@@ -483,10 +515,10 @@ def calibrate(model: Transformer, cluster: Cluster, strategy: str, rows, grad_by
 
     def comm(r) -> tuple[float, float]:  # (hideable, exposed: the update's time counted in)
         c = communication(strategy, model.params, r[0], cluster.link(r[0]), r[2], grad_bytes, param_bytes,
-                          cluster=cluster, algorithm=algorithm, bucket_bytes=bucket_MB * 1e6,
+                          cluster=cluster, algorithm=algorithm, bucket_bytes=bucket_MB * 2**20,
                           units=model.layers + 1) if r[0] > 1 else {"hideable": [], "exposed": []}
         return sum(x[2] for x in c["hideable"]), sum(x[2] for x in c["exposed"]) + \
-            optimizer_seconds(model.params, r[0], strategy, cluster.gpu)
+            optimizer_seconds(model.params, r[0], strategy, cluster.gpu, grad_bytes, param_bytes)
 
     def step(r) -> float:
         return r[1] * r[2] * model.seq_len / r[3]
@@ -705,22 +737,27 @@ def overlap_threshold_tokens(flops_per_token: float, params: int, flops: float, 
 
 
 def knee(rows: list[dict]) -> dict:
-    """The overlap criterion's T*, measured: the tokens per rank whose backward pass takes as long as the gradient
-    all-reduce. `rows`: a lab03 sweep at one world size above 1 over several micro-batches, recorded with
-    --timeline and one bucket, so that the all-reduce leaves after the backward and the two are timed apart
-    (backward_s, and comm_s: the wait of the rank that arrived last, the all-reduce without the ranks' skew;
-    exposed_comm_s where a row has no comm_s).
+    """The overlap criterion's T*, measured: the tokens per rank whose backward work takes as long as the gradient
+    all-reduce. `rows`: a lab03 sweep at one world size above 1 over several micro-batches, without accumulation,
+    recorded with --timeline and one bucket, so that the all-reduce leaves at the end of the backward and the two
+    are timed apart (backward_s; comm_s, the transfer without waiting for a slower peer, or exposed_comm_s where a
+    row has no comm_s).
 
-    The backward is fitted as a line in the tokens per rank, a + b T (least squares): b is what each token's
-    FLOPs cost, a what every backward pays whatever the batch (launching the kernels, allocating the gradients:
-    on a CPU, far from nothing). The all-reduce's time C is the median over the rows (its size does not depend on
-    the batch). The criterion compares the FLOPs with the bytes, so T* = C / b. Returns {"tokens", "comm_s",
-    "backward_per_token_s", "backward_fixed_s", "world_size"}."""
+    The backward is fitted as a line in the tokens per rank, a + b T (least squares): b is what each token costs,
+    a what every backward pays whatever the batch (launching the kernels, allocating the gradients: on a CPU, far
+    from nothing). The all-reduce's time C is the median over the rows (its size does not depend on the batch).
+    Returns {"tokens": C / b, the criterion's T* (which counts the work that grows with the tokens, as the FLOPs
+    it compares with the bytes do), "crossing_tokens": (C - a) / b, where the measured backward itself reaches
+    the all-reduce (0 when it always does), "comm_s", "backward_per_token_s", "backward_fixed_s", "world_size"}."""
     worlds = {r["world_size"] for r in rows}
     if len(worlds) != 1 or min(worlds) < 2 or any("backward_s" not in r for r in rows) or \
             len({r["tokens_per_step"] for r in rows}) < 2:
         raise ValueError("knee: need a sweep of two or more micro-batches at one world size above 1, recorded with "
                          "--timeline (lab03 --worlds N --micro-batches ... --timeline)")
+    if any(r.get("grad_accum", 1) != 1 or r.get("buckets", 1) != 1 for r in rows):
+        raise ValueError("knee: every row must be one micro-batch a step in one bucket (the backward timed is the "
+                         "synchronising one, the all-reduce leaves after it): drop --total-batch, and give --bucket-mb "
+                         "more than the model's gradients")
     world = worlds.pop()
     xs = [r["tokens_per_step"] / world for r in rows]
     ys = [r["backward_s"] for r in rows]
@@ -729,10 +766,11 @@ def knee(rows: list[dict]) -> dict:
     if slope <= 0:
         raise ValueError(f"knee: the backward did not grow with the batch ({', '.join(f'{y:.3g} s' for y in ys)}): "
                          f"sweep micro-batches further apart")
-    comms = sorted(r.get("comm_s", r["exposed_comm_s"]) for r in rows)
+    comms = sorted(r["comm_s"] if "comm_s" in r else r["exposed_comm_s"] for r in rows)
     comm = (comms[(len(comms) - 1) // 2] + comms[len(comms) // 2]) / 2
-    return {"tokens": comm / slope, "comm_s": comm, "backward_per_token_s": slope, "backward_fixed_s": my - slope * mx,
-            "world_size": world}
+    fixed = my - slope * mx
+    return {"tokens": comm / slope, "crossing_tokens": max(0.0, (comm - fixed) / slope), "comm_s": comm,
+            "backward_per_token_s": slope, "backward_fixed_s": fixed, "world_size": world}
 
 
 # ----------------------------------------------------------------------------- choosing a strategy

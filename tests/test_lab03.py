@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 import nanodist as nd
-from nanodist import scaling as S
 from nanodist.results import load_all
 from nanodist.testing import run_script, within
 from wandb_offline import history as wandb_history
@@ -153,6 +152,5 @@ def test_a_sweep_with_a_timeline_times_the_backward_and_the_wait_for_the_buckets
     keys = ("backward_s", "exposed_comm_s", "comm_span_s", "comm_s")
     assert [all(k in r for k in keys) for r in rows] == [False, False, True, True]
     for r in rows[2:]:
-        assert 0 < r["backward_s"] < r["median_step_s"] and 0 < r["comm_s"] <= r["exposed_comm_s"] < r["median_step_s"]
-    k = S.knee(rows[2:])  # two micro-batches: the line through them
-    assert k["world_size"] == 2 and k["tokens"] > 0
+        assert 0 < r["backward_s"] < r["median_step_s"] and 0 < r["comm_s"] < r["median_step_s"]
+        assert 0 < r["exposed_comm_s"] < r["median_step_s"] and r["buckets"] == 1

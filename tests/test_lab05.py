@@ -105,6 +105,7 @@ def test_lab05_worlds_times_one_implementation_at_several_world_sizes(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--worlds", "1"], "--worlds without --memory-only times one --impl"),
     (["--impl", "fsdp", "--worlds", "1", "--timeline"], "not with --timeline"),
+    (["--impl", "fsdp", "--worlds", "1", "--budget", "20"], "--checkpointing-compare or --budget"),
     (["--impl", "fsdp", "--worlds", "2"], "2 rank(s) cannot be formed from this launch's 1"),
     (["--impl", "fsdp", "--worlds", "1", "--total-batch", "100"], "total batch of 100 tokens is not a positive multiple"),
 ])

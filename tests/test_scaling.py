@@ -207,9 +207,12 @@ def test_latency_ring_tree_and_hierarchical_equal_the_hand_calculation():
     # which wins: on one node the ring (fewest microseconds); at 1,024 GPUs, small messages go by tree
     assert min(S.ALL_REDUCE_ALGORITHMS, key=lambda a: dgx.all_reduce_time(1e6, 8, a)["s"]) == "ring"
     assert min(S.ALL_REDUCE_ALGORITHMS, key=lambda a: dgx.all_reduce_time(1e6, 1024, a)["s"]) == "tree"
-    # ZeRO-1 with latency: its 25 MB buckets (ceil) each pay a ring reduce-scatter's half of the hops
+    # 12 nodes: log2 rounded down (NCCL's log2i), 3 hops across
+    assert dgx.all_reduce_latency(96, "tree") == pytest.approx(2 * (7 * 28 * us + 3 * 28 * us), rel=1e-12)
+    # ZeRO-1 with latency: its 25 MB buckets (ceil) each pay a ring reduce-scatter: N - 1 steps, nodes - 1 across
     P = PLAYBOOK_1B.params
-    half = 8.4 * us + (ring - 8.4 * us) / 2
+    half = 8.4 * us + (256 - 32) * 3.4 * us + 31 * 14.0 * us
+    assert dgx.ring_latency("reduce_scatter", 256) == dgx.ring_latency("all_gather", 256) == pytest.approx(half)
     c = S.communication("zero1", P, 256, dgx.link(256), cluster=dgx, bucket_bytes=25e6)
     (_, rs_bytes, rs_s), = c["hideable"]
     assert rs_s == pytest.approx(math.ceil(4 * P / 25e6) * half + 255 / 256 * 4 * P / 368e9, rel=1e-12)
@@ -218,6 +221,29 @@ def test_latency_ring_tree_and_hierarchical_equal_the_hand_calculation():
     assert f["hideable"][0][2] == pytest.approx(2 * (17 * half + 255 / 256 * 2 * P / 368e9), rel=1e-12)
     with pytest.raises(ValueError, match="algorithm must be one of"):
         dgx.all_reduce_latency(16, "butterfly")
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        S.communication("ddp", P, 16, dgx.link(16), cluster=dgx, algorithm="butterfly")
+    with pytest.raises(ValueError, match="collective must be one of"):
+        dgx.ring_latency("broadcast", 16)
+    with pytest.raises(ValueError, match="gpus must be a positive integer, got 0"):
+        dgx.all_reduce_time(1e6, 0)
+    with pytest.raises(ValueError, match="calls must be a positive integer"):
+        dgx.all_reduce_time(1e6, 16, calls=0)
+    with pytest.raises(ValueError, match="bucket_bytes > 0 and units a positive integer"):
+        S.communication("ddp", P, 16, dgx.link(16), cluster=dgx, bucket_bytes=0)
+    with pytest.raises(ValueError, match="bucket_bytes > 0 and units a positive integer"):
+        S.communication("fsdp", P, 16, dgx.link(16), cluster=dgx, units=0)
+    with pytest.raises(ValueError, match="every latency must be a number of seconds >= 0"):
+        S.Latency(8.4e-6, -1.0, 14e-6, 28e-6, 28e-6)
+    # a latency the measured bandwidths cannot hold is refused when the cluster is made
+    pb = S.published("playbook_dp").cluster
+    with pytest.raises(ValueError, match="no more than the modelled latency"):
+        dataclasses.replace(pb, latency=S.Latency(0, 1e-3, 1e-3, 1e-3, 1e-3))
+    # the AdamW update: 24 bytes of state a parameter, plus the gradient read and the weight copy written
+    gpu = S.GPUS["H100 SXM"]
+    assert S.optimizer_seconds(P, 8, "ddp", gpu) == pytest.approx(30 * P / 3.35e12)
+    assert S.optimizer_seconds(P, 8, "zero1", gpu, grad_bytes=2, param_bytes=2) == pytest.approx(28 * P / 8 / 3.35e12)
+    assert S.optimizer_seconds(P, 8, "ddp", dataclasses.replace(gpu, hbm_GBps=None)) == 0.0
 
 
 def test_a_measured_bandwidth_loses_the_latency_of_the_message_it_was_measured_with():
@@ -243,16 +269,24 @@ def test_charging_nccl_latency_per_bucket_misses_the_playbook_at_scale():
 
 def test_the_knee_is_where_the_backward_line_meets_the_all_reduce():
     """knee: a line a + bT through the backward times, the all-reduce the median of the rows; T* = C / b."""
-    rows = [{"world_size": 2, "tokens_per_step": 2 * t, "backward_s": 0.05 + 0.0005 * t, "exposed_comm_s": c + 0.01,
+    rows = [{"world_size": 2, "tokens_per_step": 2 * t, "backward_s": 0.06 + 0.0005 * t, "exposed_comm_s": c + 0.01,
              "comm_s": c} for t, c in ((16, 0.040), (64, 0.060), (256, 0.050))]
     k = S.knee(rows)
-    assert k["backward_per_token_s"] == pytest.approx(0.0005) and k["backward_fixed_s"] == pytest.approx(0.05)
+    assert k["backward_per_token_s"] == pytest.approx(0.0005) and k["backward_fixed_s"] == pytest.approx(0.06)
     assert k["comm_s"] == pytest.approx(0.050) and k["tokens"] == pytest.approx(0.050 / 0.0005)
+    assert k["crossing_tokens"] == 0  # the fixed part alone already takes as long as the all-reduce
+    later = S.knee([{**r, "comm_s": 0.080} for r in rows])
+    assert later["crossing_tokens"] == pytest.approx((0.080 - 0.06) / 0.0005)
+    for bad in ({"buckets": 3}, {"grad_accum": 2}):  # the all-reduce would overlap, or the backward not be the last
+        with pytest.raises(ValueError, match="one micro-batch a step in one bucket"):
+            S.knee([{**r, **bad} for r in rows])
     even = rows + [{**rows[0], "comm_s": 0.070, "tokens_per_step": 1024}]  # four rows: the middle two's mean
-    even[-1]["backward_s"] = 0.05 + 0.0005 * 512
+    even[-1]["backward_s"] = 0.06 + 0.0005 * 512
     assert S.knee(even)["comm_s"] == pytest.approx(0.055)
     no_comm_s = [{k: v for k, v in r.items() if k != "comm_s"} for r in rows]  # rank 0's wait when that is all
     assert S.knee(no_comm_s)["comm_s"] == pytest.approx(0.060)
+    only_comm_s = [{k: v for k, v in r.items() if k != "exposed_comm_s"} for r in rows]
+    assert S.knee(only_comm_s)["comm_s"] == pytest.approx(0.050)
     with pytest.raises(ValueError, match="one world size above 1"):
         S.knee([{**r, "world_size": 1} for r in rows])
     with pytest.raises(ValueError, match="did not grow with the batch"):
