@@ -18,6 +18,11 @@ comes from the tools alone, and the results file records both, so a wrong diagno
   mismatch    a rank all-reduces a tensor of another  TORCH_DISTRIBUTED_DEBUG=DETAIL: each rank's collective
               shape                                   fingerprint; the odd one out
   uneven-data a rank's shard of the data is short     nanodist.check.check_sampler_exactly_once: each rank's count
+  skip-backward  a rank skips a backward (a branch    the watchdog: the collective each rank waits in; the odd
+              taken on one rank)                      one out
+  set-epoch   a rank never calls sampler.set_epoch    check_sampler_exactly_once at the next epoch: the rank in
+                                                      every duplicated index
+  port-in-use the rendezvous port is taken            torchrun's rendezvous error (no rank: the port)
 
 Every fault ends in seconds: a hang within the collective timeout the lab sets (NANODIST_TIMEOUT, 8 s here), never
 torch's default 30 minutes.
@@ -84,6 +89,32 @@ def run_hang(bad: int) -> None:
 
 def run_dead_peer(bad: int) -> None:
     _train(bad, lambda step, _: faults.die(bad, after_s=0.2) if step == PLANT_AT else None)
+
+
+def run_skip_backward(bad: int) -> None:
+    def plant(step, model):
+        pass
+    group = nd.Group.world()
+    model = parity.UserModel(layers=2)
+    ddp = nd.DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = parity.batch(step, group.rank, group.size)
+        loss = ddp(x, y)[1]
+        if not (step == PLANT_AT and group.rank == bad):  # e.g. "if loss is small, skip": a branch taken on one rank
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def run_set_epoch(bad: int) -> None:
+    from torch.utils.data import DistributedSampler
+    group = nd.Group.world()
+    sampler = DistributedSampler(range(60), num_replicas=group.size, rank=group.rank, shuffle=True, seed=0)
+    for epoch in range(2):
+        if group.rank != bad:  # the rank that forgot reads epoch 0's order again
+            sampler.set_epoch(epoch)
+        check.check_sampler_exactly_once(sampler, dataset_len=60)  # every epoch, before training on it
 
 
 def run_nan(bad: int) -> None:
@@ -153,6 +184,34 @@ def diagnose_dead_peer(output: str):
     return None if m is None else (int(m.group(1)), "was killed by a signal; its peers lost it", m.group(0).strip())
 
 
+def diagnose_skip_backward(output: str):
+    waits = {int(r): what for r, what in re.findall(r"rank (\d+): waits in collective #\d+ \(([^)]*)\)", output)}
+    odd = _majority_odd_one(waits)
+    if odd is None:
+        return None
+    others = next(v for r, v in waits.items() if r != odd)
+    return odd, f"waits in {waits[odd]} while the others wait in {others}: it did not run the collectives they " \
+                f"did (a backward or a step skipped on that rank)", _line(output, rf"rank {odd}: waits in collective")
+
+
+def diagnose_set_epoch(output: str):
+    pairs = re.findall(r"\(ranks \[(\d+), (\d+)\]\)", output)
+    if not pairs:
+        return None
+    common = set.intersection(*({int(a), int(b)} for a, b in pairs))
+    if len(common) != 1:
+        return None
+    rank = common.pop()
+    return rank, "reads samples the other ranks read too (every duplicated index is its): its sampler is in " \
+                 "another order (a set_epoch, or a seed, that differs on that rank)", _line(output, "duplicated indices")
+
+
+def diagnose_port(output: str):
+    m = re.search(r"port: (\d+)[^\n]*EADDRINUSE", output)
+    return None if m is None else (None, f"port {m.group(1)} was already in use (EADDRINUSE) when torchrun started "
+                                         f"its rendezvous", _line(output, "EADDRINUSE"))
+
+
 def diagnose_nan(output: str):
     m = re.search(r"non-finite values at step (\d+)[^\n]*?the loss was nan on rank (\d+)", output)
     if m is None:
@@ -192,6 +251,10 @@ FAULTS = {f.name: f for f in (
     Fault("hang", "a rank stops before a collective", 2, run_hang, diagnose_hang, {"NANODIST_STALL_S": "1"}),
     Fault("dead-peer", "a rank is killed by SIGKILL", 2, run_dead_peer, diagnose_dead_peer),
     Fault("nan", "a rank's loss turns NaN", 2, run_nan, diagnose_nan),
+    Fault("skip-backward", "a rank skips a backward (a branch taken on one rank)", 3, run_skip_backward,
+          diagnose_skip_backward, {"NANODIST_STALL_S": "1"}),
+    Fault("set-epoch", "a rank never calls sampler.set_epoch", 3, run_set_epoch, diagnose_set_epoch),
+    Fault("port-in-use", "the rendezvous port is taken by another program", 2, None, diagnose_port),
     Fault("desync", "a rank initialised from another seed, no broadcast", 3, run_desync, diagnose_desync),
     Fault("mismatch", "a rank all-reduces a tensor of another shape", 3, run_mismatch, diagnose_mismatch,
           {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
@@ -205,19 +268,41 @@ def triage(fault: Fault, bad: int) -> dict:
     """Launch the faulty run, then diagnose it from its output alone (the launcher's report included)."""
     t0 = time.monotonic()
     env = {"NANODIST_TIMEOUT": str(TIMEOUT_S), **fault.env}
+    if fault.run is None:  # port-in-use: torchrun itself, on a port another program holds (nd.launch would avoid it)
+        output, failed = _taken_port_run(fault.world)
+    else:
+        output, failed = _launch(fault, bad, env)
+    took = time.monotonic() - t0
+    found = fault.diagnose(output)
+    row = {"fault": fault.name, "world_size": fault.world, "planted_rank": bad if fault.run else None,
+           "seconds": round(took, 1), "launch_failed": failed, "diagnosed_rank": None, "diagnosis": None,
+           "evidence": None}
+    if found is not None:
+        who = "no rank" if found[0] is None else f"rank {found[0]}"
+        row.update(diagnosed_rank=found[0], diagnosis=f"{who}: {found[1]}", evidence=found[2])
+    return row
+
+
+def _taken_port_run(world: int) -> tuple[str, bool]:
+    import socket
+    import subprocess
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                              "--master_addr=127.0.0.1", f"--master_port={port}", __file__, "--fault", "hang",
+                              "--rank", "0"], capture_output=True, text=True, timeout=60)
+    return out.stdout + out.stderr, out.returncode != 0
+
+
+def _launch(fault: Fault, bad: int, env: dict) -> tuple[str, bool]:
     try:
         run = nd.launch(__file__, nproc=fault.world, args=["--fault", fault.name, "--rank", str(bad)], timeout=60,
                         env=env, echo=False)
-        output, failed = run.output, None
+        return run.output, False
     except nd.LaunchError as e:
-        output, failed = f"{e}\n{e.output}", e
-    took = time.monotonic() - t0
-    found = fault.diagnose(output)
-    row = {"fault": fault.name, "world_size": fault.world, "planted_rank": bad, "seconds": round(took, 1),
-           "launch_failed": failed is not None, "diagnosed_rank": None, "diagnosis": None, "evidence": None}
-    if found is not None:
-        row.update(diagnosed_rank=found[0], diagnosis=f"rank {found[0]}: {found[1]}", evidence=found[2])
-    return row
+        return f"{e}\n{e.output}", True
 
 
 def main() -> int:
@@ -237,7 +322,7 @@ def main() -> int:
         nd.shutdown()
         return 0
     names = list(FAULTS) if args.fault == "all" else [args.fault]
-    if args.rank is not None and any(not 0 <= args.rank < FAULTS[n].world for n in names):
+    if args.rank is not None and any(not 0 <= args.rank < FAULTS[n].world for n in names if FAULTS[n].run):
         p.error(f"--rank {args.rank}: {', '.join(n for n in names if not args.rank < FAULTS[n].world)} runs on "
                 f"{min(FAULTS[n].world for n in names)} ranks")
     rng = random.Random(args.seed)
@@ -249,14 +334,15 @@ def main() -> int:
         print(f"== {name}: {fault.about}, on one of {fault.world} ranks", flush=True)
         row = triage(fault, bad)
         rows.append(row)
+        planted = "" if row["planted_rank"] is None else f"; planted on rank {row['planted_rank']}"
         if row["diagnosis"] is None:
-            print(f"   no diagnosis: the tools' output did not name a rank ({row['seconds']} s)")
+            print(f"   no diagnosis: the tools' output did not name the cause ({row['seconds']} s{planted})")
         else:
             print(f"   the tools said: {row['evidence']}")
-            print(f"   diagnosis: {row['diagnosis']} ({row['seconds']} s; planted on rank {row['planted_rank']})")
+            print(f"   diagnosis: {row['diagnosis']} ({row['seconds']} s{planted})")
     rec.metrics["faults"] = rows
     print(f"wrote {nd.results.shown(rec.save())}")
-    return 0 if all(r["diagnosed_rank"] == r["planted_rank"] for r in rows) else 1
+    return 0 if all(r["diagnosis"] is not None and r["diagnosed_rank"] == r["planted_rank"] for r in rows) else 1
 
 
 if __name__ == "__main__":
