@@ -646,9 +646,9 @@ the medium model at {glue:text}`knee_world` ranks over micro-batches from {glue:
 """)
 
 code(r"""
-KNEE = {"model": "medium", "seq_len": 16, "micro_batches": [1, 2, 4, 8, 16], "world": 2}
+KNEE = {"model": "medium", "seq_len": 16, "micro_batches": [1, 4, 16], "world": 2}
 sweep = nd.launch("lab03_ddp", nproc=KNEE["world"], echo=False, args=[
-    "--impl", "nanodist-pg", "--model", KNEE["model"], "--seq-len", str(KNEE["seq_len"]), "--steps", "10",
+    "--impl", "nanodist-pg", "--model", KNEE["model"], "--seq-len", str(KNEE["seq_len"]), "--steps", "8",
     "--no-progress", "--bucket-mb", "100", "--worlds", str(KNEE["world"]),
     "--micro-batches", *map(str, KNEE["micro_batches"]), "--timeline"]).results
 caption("prov_knee", sweep)
@@ -666,11 +666,14 @@ ratio = k["tokens"] / predicted
 assert abs(ratio - e_cpu * k["comm_s"] / comm_predicted) < 1e-9 * ratio
 assert 0.25 <= ratio <= 2, (k, predicted, e_cpu)
 for name, value in (("knee_measured", k["tokens"]), ("knee_predicted", predicted), ("knee_ratio", ratio),
-                    ("knee_crossing", k["crossing_tokens"]), ("e_cpu", e_cpu), ("comm_measured_ms", 1e3 * k["comm_s"]),
+                    ("e_cpu", e_cpu), ("comm_measured_ms", 1e3 * k["comm_s"]),
                     ("comm_predicted_ms", 1e3 * comm_predicted), ("comm_ratio", k["comm_s"] / comm_predicted),
                     ("backward_fixed_ms", 1e3 * k["backward_fixed_s"]), ("knee_params_m", P / 1e6)):
     glue(name, value, display=False)
 tokens = [r["tokens_per_step"] / KNEE["world"] for r in rows]
+glue("knee_crossing", Markdown(
+    f"at {k['crossing_tokens']:.0f} tokens" if k["crossing_tokens"] > 0 else
+    "at no batch at all: its fixed part alone takes as long as the all-reduce"), display=False)
 glue("knee_world", KNEE["world"], display=False)
 glue("knee_min_tokens", min(tokens), display=False)
 glue("knee_max_tokens", max(tokens), display=False)
@@ -678,7 +681,7 @@ print(f"{P / 1e6:.1f} M parameters, {KNEE['world']} ranks: the backward takes {1
       f"{1e6 * k['backward_per_token_s']:.0f} us per token (e = {e_cpu:.2f} of one thread's matmul rate); the all-reduce "
       f"{1e3 * k['comm_s']:.1f} ms (Lab 2's fit: {1e3 * comm_predicted:.1f} ms)")
 print(f"T*: measured {k['tokens']:.0f} tokens per rank, predicted {predicted:.0f} (measured / predicted = {ratio:.2f}); "
-      f"the measured backward reaches the all-reduce at {k['crossing_tokens']:.0f}")
+      f"the measured backward, fixed part included, reaches the all-reduce at {k['crossing_tokens']:.0f} tokens")
 fig, ax = plt.subplots(figsize=(6.4, 3.2))
 ax.plot(tokens, [1e3 * r["backward_s"] for r in rows], "o", color=plots.PALETTE[0], label="backward (measured)")
 ax.plot(tokens, [1e3 * (k["backward_fixed_s"] + k["backward_per_token_s"] * t) for t in tokens], "-", lw=0.8,
@@ -707,9 +710,9 @@ matmul peak and Lab 2's bandwidth, a ratio of {glue:text}`knee_ratio:.2f`. The r
 the prediction's inputs can be off, and the cell prints both: the backward ran at {glue:text}`e_cpu:.2f` of the
 matmul peak, and the all-reduce in the step took {glue:text}`comm_ratio:.2f` times what Lab 2's fit predicts for it
 (the cell asserts the ratio between a quarter and twice: $e$ is below 1 on any machine, and the all-reduce inside
-a step follows a backward that has just walked all of the model's memory). Where the measured backward itself,
-fixed part included, reaches the all-reduce is another point, {glue:text}`knee_crossing:.0f` tokens: on a GPU,
-whose fixed part is small, the two coincide.
+a step follows a backward that has just walked all of the model's memory). The measured backward itself, fixed
+part included, takes as long as the all-reduce {glue:md}`knee_crossing`; on a GPU, whose fixed part is small,
+that point and $T^*$ coincide.
 
 Nothing hides here: with {glue:text}`cores_here` cores and {glue:text}`knee_world` ranks each computing on one,
 gloo's thread takes its time from a backward, which is why Chapter 3's timeline showed buckets leaving during the
