@@ -29,7 +29,6 @@ torch's default 30 minutes.
 """
 import argparse
 import collections
-import json
 import os
 import random
 import re
@@ -37,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: python labs/lab07_debug.py
@@ -61,50 +61,47 @@ class Fault:
     name: str
     about: str
     world: int
-    run: object
-    diagnose: object
+    run: Callable[[int], None] | None  # None: nothing runs on the ranks (the failure is before them)
+    diagnose: Callable[[str], tuple | None]
     env: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- the faulty runs (on every rank)
 
-def _train(bad: int, plant, steps: int = STEPS):
-    """nanodist DDP + AdamW on a small user-style model; `plant(step, model)` runs on every rank before each step."""
+def _train(before=None, backward=None, steps: int = STEPS) -> None:
+    """nanodist DDP + AdamW on a small user-style model. `before(step)` runs on every rank before each step;
+    `backward(step, loss)` replaces loss.backward() (a fault may skip it)."""
     group = nd.Group.world()
     model = parity.UserModel(layers=2)
     ddp = nd.DDP(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
-        plant(step, model)
+        if before is not None:
+            before(step)
         x, y = parity.batch(step, group.rank, group.size)
-        ddp(x, y)[1].backward()
+        loss = ddp(x, y)[1]
+        (backward or (lambda _, loss: loss.backward()))(step, loss)
         opt.step()
         opt.zero_grad()
     nd.print0(f"{steps} steps done")
 
 
 def run_hang(bad: int) -> None:
-    _train(bad, lambda step, _: faults.hang(bad, 60) if step == PLANT_AT else None)
+    _train(before=lambda step: faults.hang(bad, 60) if step == PLANT_AT else None)
 
 
 def run_dead_peer(bad: int) -> None:
-    _train(bad, lambda step, _: faults.die(bad, after_s=0.2) if step == PLANT_AT else None)
+    _train(before=lambda step: faults.die(bad, after_s=0.2) if step == PLANT_AT else None)
 
 
 def run_skip_backward(bad: int) -> None:
-    def plant(step, model):
-        pass
-    group = nd.Group.world()
-    model = parity.UserModel(layers=2)
-    ddp = nd.DDP(model, find_unused_parameters=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = parity.batch(step, group.rank, group.size)
-        loss = ddp(x, y)[1]
-        if not (step == PLANT_AT and group.rank == bad):  # e.g. "if loss is small, skip": a branch taken on one rank
+    rank = nd.Group.world().rank
+
+    def backward(step, loss):  # e.g. "if the loss is small, skip the update": a branch taken on one rank only
+        if not (step == PLANT_AT and rank == bad):
             loss.backward()
-        opt.step()
-        opt.zero_grad()
+
+    _train(backward=backward)
 
 
 def run_set_epoch(bad: int) -> None:
@@ -171,17 +168,19 @@ def _line(output: str, pattern: str) -> str:
 
 
 def diagnose_hang(output: str):
-    found = re.findall(r"rank (\d+) is not in a collective", output)
-    if not found:
+    # the watchdog warns each time the others have waited a stall long; a rank merely slow at first can be named
+    # early, the one that hangs is named last (and every time after)
+    lines = [ln.strip() for ln in output.splitlines() if re.search(r"rank \d+ is not in a collective", ln)]
+    if not lines:
         return None
-    rank = collections.Counter(found).most_common(1)[0][0]
-    where = re.search(rf"rank {rank} is not in a collective[^\n]*", output).group(0)
-    return int(rank), "hangs outside any collective while the others wait for it", where
+    rank = int(re.search(r"rank (\d+) is not in a collective", lines[-1]).group(1))
+    return rank, "hangs outside any collective while the others wait for it", lines[-1]
 
 
 def diagnose_dead_peer(output: str):
-    m = re.search(r"rank (\d+)[^\n]*(SIGKILL|killed by signal \d+)[^\n]*", output)
-    return None if m is None else (int(m.group(1)), "was killed by a signal; its peers lost it", m.group(0).strip())
+    # the launcher's report only ("<script> failed on rank N: killed by SIG..."), not a line a rank printed itself
+    m = re.search(r"failed on rank (\d+): killed by (SIG[A-Z0-9]+)[^\n]*", output)
+    return None if m is None else (int(m.group(1)), f"was killed by {m.group(2)}; its peers lost it", m.group(0).strip())
 
 
 def diagnose_skip_backward(output: str):
@@ -195,13 +194,14 @@ def diagnose_skip_backward(output: str):
 
 
 def diagnose_set_epoch(output: str):
-    pairs = re.findall(r"\(ranks \[(\d+), (\d+)\]\)", output)
-    if not pairs:
+    listed = [{int(r) for r in group.split(",")} for group in re.findall(r"\(ranks \[([\d, ]+)\]\)", output)]
+    if not listed:
         return None
-    common = set.intersection(*({int(a), int(b)} for a, b in pairs))
-    if len(common) != 1:
-        return None
-    rank = common.pop()
+    counts = collections.Counter(r for ranks in listed for r in ranks)
+    rank, n = counts.most_common(1)[0]
+    if n != len(listed) or sum(1 for c in counts.values() if c == n) != 1:
+        return None  # no single rank in every duplicated index
+
     return rank, "reads samples the other ranks read too (every duplicated index is its): its sampler is in " \
                  "another order (a set_epoch, or a seed, that differs on that rank)", _line(output, "duplicated indices")
 
@@ -284,16 +284,27 @@ def triage(fault: Fault, bad: int) -> dict:
 
 
 def _taken_port_run(world: int) -> tuple[str, bool]:
+    """torchrun on a port this process holds: it must fail at its rendezvous. Were the port free after all, the
+    ranks would run the quickest fault (uneven-data, a second); either way at most 60 s, and nothing left behind."""
+    import signal
     import socket
     import subprocess
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                              "--master_addr=127.0.0.1", f"--master_port={port}", __file__, "--fault", "hang",
-                              "--rank", "0"], capture_output=True, text=True, timeout=60)
-    return out.stdout + out.stderr, out.returncode != 0
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                                 "--master_addr=127.0.0.1", f"--master_port={port}", __file__, "--fault",
+                                 "uneven-data", "--rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True,
+                                env={**os.environ, "NANODIST_TIMEOUT": str(TIMEOUT_S)})
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            out += "\n(lab07: torchrun ran past 60 s and was killed with its process group)"
+    return out, proc.returncode != 0
 
 
 def _launch(fault: Fault, bad: int, env: dict) -> tuple[str, bool]:
@@ -301,6 +312,8 @@ def _launch(fault: Fault, bad: int, env: dict) -> tuple[str, bool]:
         run = nd.launch(__file__, nproc=fault.world, args=["--fault", fault.name, "--rank", str(bad)], timeout=60,
                         env=env, echo=False)
         return run.output, False
+    except nd.LaunchTimeout as e:
+        return f"{e}\n{e.output}\n(lab07: the faulty run ran past 60 s and was killed)", True
     except nd.LaunchError as e:
         return f"{e}\n{e.output}", True
 
@@ -314,18 +327,27 @@ def main() -> int:
     if "RANK" in os.environ:  # a rank of the faulty run
         if args.fault == "all" or args.rank is None:
             p.error("under torchrun, give one --fault and its --rank")
-        world = int(os.environ["WORLD_SIZE"])
+        fault, world = FAULTS[args.fault], int(os.environ["WORLD_SIZE"])
+        if fault.run is None:
+            p.error(f"--fault {args.fault} happens before any rank starts: run it without torchrun")
         if not 0 <= args.rank < world:
             p.error(f"--rank {args.rank}: this launch has ranks 0 to {world - 1}")
-        nd.init(timeout=float(os.environ.get("NANODIST_TIMEOUT", TIMEOUT_S)))
+        if world != fault.world:
+            print(f"lab07: {args.fault} is diagnosed from {fault.world} ranks; at {world} the tools' report may not "
+                  f"single out one rank", file=sys.stderr)
+        os.environ.setdefault("NANODIST_TIMEOUT", str(TIMEOUT_S))
+        nd.init()
         FAULTS[args.fault].run(args.rank)
         nd.shutdown()
         return 0
     names = list(FAULTS) if args.fault == "all" else [args.fault]
-    if args.rank is not None and any(not 0 <= args.rank < FAULTS[n].world for n in names if FAULTS[n].run):
-        p.error(f"--rank {args.rank}: {', '.join(n for n in names if not args.rank < FAULTS[n].world)} runs on "
-                f"{min(FAULTS[n].world for n in names)} ranks")
-    rng = random.Random(args.seed)
+    too_big = [n for n in names if FAULTS[n].run and not 0 <= (args.rank or 0) < FAULTS[n].world]
+    if args.rank is not None and too_big:
+        p.error(f"--rank {args.rank}: {', '.join(f'{n} runs on ranks 0 to {FAULTS[n].world - 1}' for n in too_big)}")
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    rng = random.Random(seed)
+    if args.rank is None:
+        print(f"== the faulty rank is drawn at random (--seed {seed} draws the same again)")
     rec = Recorder("lab07_debug", config=vars(args))
     rows = []
     for name in names:

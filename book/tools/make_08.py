@@ -444,7 +444,7 @@ rank the two are the same run.
 """)
 
 code(r"""
-LAB = ["--impl", "nanodist", "--model", "small", "--seq-len", "64", "--steps", "20", "--no-progress"]
+LAB = ["--impl", "nanodist", "--model", "small", "--seq-len", "64", "--steps", "15", "--no-progress"]
 # strong: 12 sequences a step in all, in micro-batches of 1; weak: 12 sequences a step on every rank
 strong = nd.launch("lab03_ddp", nproc=4, echo=False, args=LAB + ["--scaling", "strong", "--micro-batch", "1",
                                                                  "--worlds", "1", "2", "3", "4", "--total-batch", str(12 * 64)])
