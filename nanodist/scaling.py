@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -766,8 +767,7 @@ def knee(rows: list[dict]) -> dict:
     if slope <= 0:
         raise ValueError(f"knee: the backward did not grow with the batch ({', '.join(f'{y:.3g} s' for y in ys)}): "
                          f"sweep micro-batches further apart")
-    comms = sorted(r["comm_s"] if "comm_s" in r else r["exposed_comm_s"] for r in rows)
-    comm = (comms[(len(comms) - 1) // 2] + comms[len(comms) // 2]) / 2
+    comm = statistics.median(r["comm_s"] if "comm_s" in r else r["exposed_comm_s"] for r in rows)
     fixed = my - slope * mx
     return {"tokens": comm / slope, "crossing_tokens": max(0.0, (comm - fixed) / slope), "comm_s": comm,
             "backward_per_token_s": slope, "backward_fixed_s": fixed, "world_size": world}
