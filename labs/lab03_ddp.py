@@ -116,11 +116,15 @@ def verify_equivalence(cfg, data, group, steps: int = 5) -> dict:
             "planted_grad_max_abs_diff": planted_diff, "global_batch": cfg.micro_batch * group.size}
 
 
-def baseline_from_files(cfg, world_size: int, impl: str) -> dict | None:
-    """The latest 1-rank run of this lab with the same model and batch, on this machine, if one exists."""
-    host = hardware_fingerprint()["hostname"]
+def baseline_from_files(cfg, group, impl: str) -> dict | None:
+    """The latest 1-rank run of this lab with the same model and batch, on this machine (the whole hardware
+    fingerprint, not the hostname: virtual machines share names like "vm"), with the same backend and device,
+    from the reader's own results (never the committed references of other machines), if one exists."""
+    here, world_size = hardware_fingerprint(), group.size
+    backend = group.backend if group.backend != "local" else "gloo"  # as the results file records it
     keys = ("model", "micro_batch", "seq_len", "scaling", "dtype", "threads")
-    same = [r for r in load_all("lab03_ddp") if r["world_size"] == 1 and r["hardware"].get("hostname") == host
+    same = [r for r in load_all("lab03_ddp", include_reference=False) if r["world_size"] == 1
+            and r["hardware"] == here and (r["backend"], r["device"]) == (backend, group.device.type)
             and all(r["config"].get(k) == getattr(cfg, k) for k in keys)
             and (cfg.scaling == "weak" or r["config"].get("total_batch_tokens") ==
                  experiment.total_batch(cfg, world_size))]
@@ -223,7 +227,7 @@ def main():
                   f"{metrics['ratio_local_finite_check_vs_step']:.4f} ({1e6 * check:.0f} us a step)")
     base, source = results.get("single"), "same run"
     if base is None and group.size > 1:
-        base, source = baseline_from_files(cfg, group.size, main_impl), "an earlier 1-rank run"
+        base, source = baseline_from_files(cfg, group, main_impl), "an earlier 1-rank run"
     if base is not None and group.size > 1:
         speedup = results[main_impl]["tokens_per_s"] / base["tokens_per_s"]
         metrics.update(speedup=speedup, efficiency=speedup / group.size, baseline_source=source)

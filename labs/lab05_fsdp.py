@@ -194,9 +194,14 @@ def compare(args, cfg, data, group, rec) -> dict:
         if args.budget is not None:
             r["fits_budget"] = worst["peak"] <= args.budget * MIB
             fits = "  fits" if r["fits_budget"] else f"  does not fit in {args.budget:g} MiB"
+        cuda = ""
+        if "cuda_max_allocated" in worst:  # on a GPU: torch's allocator beside nanodist's accounting
+            r["ratio_peak_vs_cuda_max_allocated"] = worst["peak"] / worst["cuda_max_allocated"]
+            cuda = (f" (torch.cuda.max_memory_allocated {worst['cuda_max_allocated'] / MIB:.2f} MiB, ratio "
+                    f"{r['ratio_peak_vs_cuda_max_allocated']:.2f})")
         nd.print0(f"{name:>6}: step {1e3 * r['median_step_s']:7.2f} ms  {experiment.use_line(r)}  "
                   f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}  per rank: model states "
-                  f"{model_states(worst) / MIB:.2f} MiB, peak {worst['peak'] / MIB:.2f} MiB{fits}")
+                  f"{model_states(worst) / MIB:.2f} MiB, peak {worst['peak'] / MIB:.2f} MiB{cuda}{fits}")
     if "fsdp" in results and "fsdp2" in results:
         metrics["ratio_step_fsdp_vs_fsdp2"] = results["fsdp"]["median_step_s"] / results["fsdp2"]["median_step_s"]
         nd.print0(f"ratio nanodist FSDP / torch FSDP2 step time: {metrics['ratio_step_fsdp_vs_fsdp2']:.2f}")

@@ -76,7 +76,7 @@ from . import __version__
 from .group import Group
 from .results import REPO_ROOT
 from .runtime import print0
-from .state import dtensor_like
+from .state import dtensor_like, full_tensor
 
 STATE_FORMAT = 1  # bump when the saved layout changes; load() refuses another one with a clear message
 FORMATS = ("full", "sharded")
@@ -215,7 +215,7 @@ def _full(value, group: Group):
     if isinstance(value, (list, tuple)):
         return type(value)(_full(v, group) for v in value)
     if hasattr(value, "full_tensor"):
-        return value.full_tensor().cpu()
+        return full_tensor(value).cpu()
     if torch.is_tensor(value):
         return value.detach().cpu().clone()
     return value

@@ -710,7 +710,9 @@ def measure_peak_step(run: Run, trace: bool = False, max_points: int = 1500) -> 
 
     trace=True adds "trace": the bytes allocated after each operation of the step ("total"), with the saved
     activations and gathered units at the same moments and where forward, backward and the optimizer began
-    ("phases", as operation indices); at most max_points points (each the largest of the operations it covers)."""
+    ("phases", as operation indices); at most max_points points (each the largest of the operations it covers).
+    On a GPU, "cuda_max_allocated" is torch.cuda.max_memory_allocated over the same step (its peak statistics
+    reset first), to set beside "peak"."""
     from .memory import AllocationTracker, LiveBytes
     x, y = next(run.train)
     run.optimizer.zero_grad(set_to_none=True)
@@ -718,6 +720,10 @@ def measure_peak_step(run: Run, trace: bool = False, max_points: int = 1500) -> 
     held = states.params + states.optimizer_state
     alloc = AllocationTracker()
     live = LiveBytes(clock=lambda: len(alloc.timeline))
+    gpu = next((p.device for p in run.model.parameters() if p.device.type == "cuda"), None)
+    if gpu is not None:  # torch's own count of the same step, to set beside ours
+        torch.cuda.synchronize(gpu)
+        torch.cuda.reset_peak_memory_stats(gpu)
     fsdp = run.model if isinstance(run.model, FSDP) else None
     if fsdp is not None:  # FSDP's events say which bytes are gathered units
         saved = fsdp.observer
@@ -741,6 +747,8 @@ def measure_peak_step(run: Run, trace: bool = False, max_points: int = 1500) -> 
     out = {"held": held, "params": states.params, "grads": grads, "optimizer_state": states.optimizer_state,
            "step_peak": alloc.peak, "peak": held + alloc.peak, "activations_max": acts["max"]["activations"],
            "gathered_max": acts["max"]["gathered"]}
+    if gpu is not None:  # everything allocated at the step's peak: ours plus the batch, buffers, library workspaces
+        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(gpu)
     if trace:
         out["trace"] = _memory_trace(alloc.timeline, live.events, phases, max_points)
     return out

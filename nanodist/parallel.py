@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .group import Group
+from .state import full_tensor
 
 
 @runtime_checkable
@@ -66,7 +67,7 @@ class _FSDP2:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         norm = _local_clip(self.model.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return full_tensor(norm)
 
 
 class _Alone:

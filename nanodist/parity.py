@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .group import Group
+from .state import full_tensor
 
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 13, 8, 6, 12  # GLOBAL_BATCH divides by 1, 2, 3, 4, 6, 12 ranks
 LR, WEIGHT_DECAY = 1e-2, 0.1
@@ -172,7 +173,7 @@ def _fsdp2(model, group):
 def _fsdp2_full(module) -> dict:
     out = {}
     for n, p in module.named_parameters(remove_duplicate=False):
-        out[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        out[n] = full_tensor(p).detach().clone()
         if n in getattr(module, "parity_scalars", ()):
             out[n] = out[n].reshape(())
     return out

@@ -148,9 +148,7 @@ def param_shaped(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     AdamW keeps them shaped like the parameter; the elements are in the same order."""
     if tuple(t.shape) == tuple(p.shape):
         return t
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.reshape(p.shape)
+    return full_tensor(t).reshape(p.shape)
 
 
 def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -158,9 +156,33 @@ def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     from a whole tensor if need be); whole, on p's device, otherwise."""
     if hasattr(p, "device_mesh"):
         return t if hasattr(t, "to_local") else dtensor_like(t, p)
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.to(p.device)
+    return full_tensor(t).to(p.device)
+
+
+def full_tensor(t: torch.Tensor, via_host: bool | None = None) -> torch.Tensor:
+    """A DTensor's whole value, on its device (a collective: every rank of its mesh calls it, in the same order);
+    any other tensor as it is.
+
+    gloo cannot take a DTensor's GPU memory through DTensor's own collectives (two ranks sharing a GPU through
+    gloo crash in the gather, torch 2.11), so a DTensor in GPU memory on a mesh whose groups are gloo is gathered
+    through host copies over the same groups, and the whole value goes back to the GPU. via_host forces one way
+    or the other (the tests check the host route on CPU tensors)."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    mesh = t.device_mesh
+    if via_host is None:
+        via_host = t.device.type != "cpu" and any(
+            torch.distributed.get_backend(mesh.get_group(d)) == "gloo" for d in range(mesh.ndim))
+    if not via_host:
+        return t.full_tensor()
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+    host = DeviceMesh.from_group(groups[0] if mesh.ndim == 1 else groups, "cpu", mesh=mesh.mesh,
+                                 mesh_dim_names=mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim)))
+    on_host = DTensor.from_local(t.to_local().cpu(), host, t.placements, run_check=False, shape=t.shape,
+                                 stride=t.stride())
+    return on_host.full_tensor().to(t.device)
 
 
 def dtensor_like(whole: torch.Tensor, like) -> torch.Tensor:

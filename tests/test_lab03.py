@@ -72,11 +72,23 @@ def test_all_implementations_in_one_run_train_identically(results_dir):
 def test_speedup_against_an_earlier_one_rank_run(results_dir):
     single = run_lab(SMALL + ["--impl", "single", "--scaling", "strong"], results_dir)
     assert single.returncode == 0, single.stderr
+    # A later 1-rank run of another machine with the same hostname (virtual machines are all "vm"), ten times
+    # faster: the speedup must not be taken against it.
+    (path,) = (results_dir / "lab03_ddp").glob("*.jsonl")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[0]["hardware"]["cpu_model"] += " (another machine)"
+    lines[0]["run_id"] = "29991231T000000.000000-ffff"
+    lines[0]["created"] = "2999-12-31T00:00:00+00:00"
+    (metrics,) = [line for line in lines if line["kind"] == "metrics"]
+    for r in metrics["impls"].values():
+        r["tokens_per_s"] *= 10
+    (path.parent / "29991231T000000.000000-ffff.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     run = nd.launch("lab03_ddp", nproc=2, args=SMALL + ["--impl", "nanodist", "--scaling", "strong"],
                     timeout=120, echo=False)
     m = run.results["metrics"]
     assert m["baseline_source"] == "an earlier 1-rank run"
-    (one,) = load_all("lab03_ddp", roots=[results_dir], include_reference=False)[:1]
+    (one,) = [r for r in load_all("lab03_ddp", roots=[results_dir], include_reference=False)
+              if r["world_size"] == 1 and "another machine" not in r["hardware"]["cpu_model"]]
     expected = m["tokens_per_s"] / one["metrics"]["impls"]["single"]["tokens_per_s"]
     assert m["speedup"] == pytest.approx(expected)
     # strong scaling: the same total batch, so 1 rank accumulates twice as many micro-steps

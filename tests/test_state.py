@@ -188,3 +188,34 @@ def fsdp_packing_worker(rank, world, directory):
 def test_fsdp_state_loads_into_another_packing_of_units(tmp_path):
     for rank_out in spawn(fsdp_packing_worker, 2, args=(str(tmp_path),), timeout=120):
         assert rank_out == {"one unit": True, "reversed": True}
+
+
+def full_tensor_worker(rank, world):
+    """state.full_tensor through the host route (the one a GPU DTensor on gloo takes) against DTensor's own
+    gather, on a 1-D mesh and a 2-D one, for uneven shards, a replicated tensor and a partial sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor, DTensor
+    out = []
+    for shape in ((world,), (1, world)):
+        mesh = init_device_mesh("cpu", shape)
+        torch.manual_seed(0)
+        whole = torch.randn(2 * world + 1, 3)  # shards of unequal length
+        last = [Shard(0)] if len(shape) == 1 else [Replicate(), Shard(0)]
+        cases = [distribute_tensor(whole, mesh, last), distribute_tensor(whole, mesh, [Replicate()] * len(shape)),
+                 DTensor.from_local(torch.full((2,), float(rank)), mesh, [Replicate()] * (len(shape) - 1) +
+                                    [Partial()], run_check=False)]
+        for t in cases:
+            host, direct = state.full_tensor(t, via_host=True), state.full_tensor(t, via_host=False)
+            out.append((tuple(host.shape), torch.equal(host, direct), type(host).__name__, host.flatten()[0].item()))
+    return out
+
+
+@pytest.mark.dist
+def test_full_tensor_through_host_copies_equals_dtensors_own_gather():
+    W = 3
+    torch.manual_seed(0)
+    first = torch.randn(2 * W + 1, 3)[0, 0].item()
+    for rank_out in spawn(full_tensor_worker, W, timeout=120):
+        assert [s for s, *_ in rank_out] == [(2 * W + 1, 3), (2 * W + 1, 3), (2,)] * 2
+        assert all(same and kind == "Tensor" for _, same, kind, _ in rank_out), rank_out
+        assert [v for *_, v in rank_out] == [first, first, float(sum(range(W)))] * 2  # a partial is summed

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU list: what a CPU cannot check, run in one go on a box with one NVIDIA GPU.
+#   bash labs/gpu_reference.sh OUTDIR [SECONDS]
+# From the repository root. OUTDIR gets log.txt (everything printed) and results/<lab>/*.jsonl (the labs'
+# results files, with their hardware fingerprints; copy the ones worth keeping into labs/results/reference/).
+# SECONDS (default 420) bounds the whole run: each step gets what is left of it, the CUDA tests first.
+#
+# 1. the CUDA-marked tests (every lab at a world of one with nccl and with 2 ranks sharing the GPU through gloo,
+#    DDP/DistAdamW/DistMuon equal to torch on CUDA tensors, bf16, steps under set_sync_debug_mode("error"));
+# 2. the 124 M `gpt2` preset (context 1024, micro-batch 8, bf16 autocast) at a world of one with nccl:
+#    lab03 (tokens/s, MFU, nanodist DDP / torch DDP), lab04 (DistAdamW / DDP + fused AdamW, DistMuon / torch
+#    Muon), lab05 (peak memory: nanodist's accounting beside torch.cuda.max_memory_allocated), lab03 --compile.
+set -u
+OUTDIR=${1:?usage: bash labs/gpu_reference.sh OUTDIR [SECONDS]}
+DEADLINE=$(( $(date +%s) + ${2:-420} ))
+PY=${PYTHON:-python3}
+mkdir -p "$OUTDIR/results"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+step() {  # step MAX_SECONDS COMMAND...: run it with what is left of the deadline (at most MAX_SECONDS)
+    local max=$1 left=$(( DEADLINE - $(date +%s) ))
+    shift
+    (( left > max )) && left=$max
+    if (( left < 20 )); then echo "=== skipped (out of time): $*"; return; fi
+    echo "=== $(date +%T) [${left}s] $*"
+    timeout -k 5 "$left" "$@" 2>&1
+    echo "=== rc=$? $(date +%T)"
+}
+
+GPT2=(--model gpt2 --seq-len 1024 --micro-batch 8 --dtype bf16 --no-progress)
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1)
+{
+    nvidia-smi -L
+    "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+    step 170 "$PY" -m pytest -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_ddp.py -n 4 -q -rfEs
+    export NANODIST_RESULTS_DIR="$OUTDIR/results"
+    step 60 "${TORCHRUN[@]}" labs/lab03_ddp.py "${GPT2[@]}" --steps 20
+    step 60 "${TORCHRUN[@]}" labs/lab04_zero.py "${GPT2[@]}" --steps 12
+    step 60 "${TORCHRUN[@]}" labs/lab05_fsdp.py "${GPT2[@]}" --steps 8
+    step 200 "${TORCHRUN[@]}" labs/lab03_ddp.py "${GPT2[@]}" --steps 20 --compile --impl torch
+    step 200 "${TORCHRUN[@]}" labs/lab03_ddp.py "${GPT2[@]}" --steps 20 --compile --impl nanodist
+} 2>&1 | tee "$OUTDIR/log.txt"
+tar czf "$OUTDIR/results.tgz" -C "$OUTDIR" results
