@@ -52,6 +52,7 @@ def parse_args():
                    help="measure these micro-batch sizes (sequences per rank), at each world size (one --impl)")
     p.add_argument("--verify", action="store_true",
                    help="also check that N ranks x micro-batch train exactly like 1 process x N micro-batches")
+    experiment.add_profile_arg(p, "nanodist DDP and torch DDP (those this launch trains)")
     experiment.add_arguments(p, total_batch_help="tokens per optimizer step (default: weak = micro-batch x seq-len "
                                                  "x ranks; strong = micro-batch x seq-len x 4)")
     args = p.parse_args()
@@ -63,6 +64,8 @@ def single_only(args, world_size):
         return "--impl single is the 1-rank reference: run it without torchrun (or use --baseline)"
     if args.worlds is None and args.micro_batches is None:
         return None
+    if args.profile:
+        return "--profile traces one step of the implementations a launch trains: not with --worlds or --micro-batches"
     if args.impl in ("all", "single") or args.verify:
         return "--worlds and --micro-batches measure one data-parallel --impl (nanodist, torch, naive), " \
                "without --verify"
@@ -234,6 +237,8 @@ def main():
         what = f"({main_impl}, {group.size} ranks vs 1, {source})"
         nd.print0(f"{args.scaling}-scaling speedup {what}: {speedup:.2f}")
         nd.print0(f"{args.scaling}-scaling efficiency {what}: {speedup / group.size:.2f}")
+    if args.profile:
+        metrics["profile"] = experiment.profile_runs(runs, ("nanodist", "torch"), rec, group)
     rec.metrics.update(metrics)
     nd.print0(f"wrote {nd.results.shown(rec.save())}")
     nd.shutdown()

@@ -76,11 +76,14 @@ def parse_args():
     p.add_argument("--record-pipeline", action="store_true",
                    help="also record one DistAdamW step of a toy model (every rank's buffers) and which matrices "
                         "each rank's Muon groups update")
+    experiment.add_profile_arg(p, "DistAdamW (ZeRO-2) and DDP + AdamW (those this launch trains)")
     experiment.add_arguments(p, steps=30)
     return p, p.parse_args()
 
 
 def check(args, world_size):
+    if args.profile and args.memory_only:
+        return "--profile traces one timed step of DistAdamW (ZeRO-2): not with --memory-only"
     return (experiment.check_worlds(args, world_size)
             or experiment.check_positive(args, ["muon_lr"], "a positive finite number", integer=False))
 
@@ -225,6 +228,8 @@ def main():
         ratio = results["dist-muon"]["median_optimizer_step_s"] / results["ddp-muon"]["median_optimizer_step_s"]
         metrics["ratio_optimizer_step_dist_muon_vs_torch_muon"] = ratio
         nd.print0(f"ratio DistMuon/torch Muon optimizer step time (both with AdamW for the rest): {ratio:.2f}")
+    if args.profile:
+        metrics["profile"] = experiment.profile_runs(runs, ("dist-adamw", "ddp-adamw"), rec, group)
     rec.metrics.update(metrics)
     nd.print0(f"wrote {nd.results.shown(rec.save())}")
     nd.shutdown()

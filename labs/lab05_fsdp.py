@@ -56,11 +56,15 @@ def parse_args():
     p.add_argument("--timeline", action="store_true", help="record one FSDP step with prefetch and one without")
     p.add_argument("--checkpointing-compare", action="store_true",
                    help="FSDP with and without activation checkpointing: saved activations, peak, step time")
+    experiment.add_profile_arg(p, "nanodist FSDP and torch FSDP2 (those this launch trains)")
     experiment.add_arguments(p, steps=20)
     return p, p.parse_args()
 
 
 def check_budget(args, world_size):
+    if args.profile and (args.memory_only or args.timeline or args.checkpointing_compare or args.worlds is not None):
+        return "--profile traces one step of the implementations a timed comparison trains: not with --memory-only, " \
+               "--timeline, --checkpointing-compare or --worlds"
     if args.budget is not None and not args.budget > 0:
         return f"--budget must be a positive number of MiB, got {args.budget}"
     if args.worlds is not None and not args.memory_only:  # a timed sweep: one set-up at several world sizes
@@ -227,6 +231,8 @@ def compare(args, cfg, data, group, rec) -> dict:
                       f"{bytes_per_step('fsdp', 1, group.size) / bytes_per_step('ddp', 1, group.size):.2f})")
         else:
             nd.print0("bytes sent per step: none with one rank (no ratio: run with --nproc_per_node=2 or more)")
+    if args.profile:
+        metrics["profile"] = experiment.profile_runs(runs, ("fsdp", "fsdp2"), rec, group)
     return metrics
 
 

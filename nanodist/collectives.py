@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .group import Group
+from .profile import annotated
 
 OPS = ("sum", "avg")
 PHASES = ("reduce-scatter", "all-gather")
@@ -243,6 +244,7 @@ def ring_schedule(rank: int, world_size: int, phase: str, step: int) -> tuple[in
     raise ValueError(f"unknown phase {phase!r}: use one of {PHASES}")
 
 
+@annotated("ring", "all_reduce", lambda a: a["tensor"].numel())
 def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, check: bool | None = None,
                     trace: list | None = None) -> torch.Tensor:
     """Sum (or average) `tensor` over the group, in place, with a ring; returns `tensor`.
@@ -300,6 +302,7 @@ def _check_shapes(fn: str, small: torch.Tensor, big: torch.Tensor, n: int, small
                          f"on {big.device}: both must have the same dtype and device")
 
 
+@annotated("ring", "reduce_scatter", lambda a: a["input"].numel())
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None,
                         check: bool | None = None) -> torch.Tensor:
     """Rank r's `output` = the sum (or average) over ranks of chunk r of `input`; returns `output`.
@@ -349,6 +352,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
     return output
 
 
+@annotated("ring", "all_gather", lambda a: a["output"].numel())
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
                     check: bool | None = None) -> torch.Tensor:
     """Every rank's `output` = all ranks' `input`s, in rank order; returns `output`.

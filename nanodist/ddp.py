@@ -209,6 +209,11 @@ class DDP(_SyncBase, ReportsLocalFinite):
                                 before_last=self._count_missing, observer=self._timeline,
                                 names=[f"DDP: parameter {n}" for n, _ in self.trainable])
 
+    def observe(self, observer) -> None:
+        """Attach a nanodist.sync.Observer (e.g. a BucketTimeline of one's own) to the gradient hooks in place of
+        the timeline record_timeline keeps; None puts that one back."""
+        self._engine.observer = observer if observer is not None else self._timeline
+
     @property
     def timeline(self) -> list[dict]:
         """With record_timeline: one dict per bucket per backward (see nanodist.sync.BucketTimeline)."""

@@ -776,3 +776,123 @@ def _memory_trace(total: list[int], events: list[tuple], phases: dict, max_point
     keep = [max(range(s, min(s + stride, len(total))), key=total.__getitem__) for s in range(0, len(total), stride)]
     return {"index": keep, "total": [total[i] for i in keep], "activations": [at["activations"][i] for i in keep],
             "gathered": [at["gathered"][i] for i in keep], "phases": phases}
+
+
+# ----------------------------------------------------------------------------- --profile
+
+def add_profile_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--profile", action="store_true",
+                   help=f"after the timed runs, one more step of {what} under torch.profiler: a Chrome trace per rank "
+                        "(chrome://tracing or https://ui.perfetto.dev), the overlap of communication with compute "
+                        "read off it, checked against nanodist's own record of the step; its time beside unprofiled "
+                        "steps")
+
+
+def _own_record(run: Run):
+    """nanodist's own record of the next step's collectives, from its observers: (detach, read) where read() gives
+    [(kind, numel)] in launch order; None for what keeps no record (torch's DDP and FSDP2, ZeRO-1)."""
+    from .fsdp import FSDPTimeline
+    from .sync import BucketTimeline
+    if isinstance(run.model, DDP):
+        tl = BucketTimeline()
+        run.model.observe(tl)
+        return (lambda: run.model.observe(None),
+                lambda: [("all_reduce", e["numel"]) for e in sorted(tl.entries, key=lambda e: e["launch_s"])])
+    if hasattr(run.optimizer, "observe") and getattr(run.optimizer, "zero_stage", None) == 2:
+        tl, sizes = BucketTimeline(), run.optimizer.bucket_sizes()  # ZeRO-2: each bucket is reduce-scattered
+        run.optimizer.observe(tl)                                     # as the backward fills it
+        return (lambda: run.optimizer.observe(None),
+                lambda: [("reduce_scatter", sizes[e["bucket"]]) for e in sorted(tl.entries, key=lambda e: e["launch_s"])])
+    if isinstance(run.model, FSDP):
+        tl, saved = FSDPTimeline(), run.model.observer
+        run.model.observer = [tl] + (list(saved) if isinstance(saved, (list, tuple)) else [saved] if saved else [])
+        kinds = {"gather_started": "all_gather", "reduce_started": "reduce_scatter"}
+        return (lambda: setattr(run.model, "observer", saved),
+                lambda: [(kinds[e["event"]], e["numel"]) for e in tl.events if e["event"] in kinds])
+    return None
+
+
+def profile_step(run: Run, path, unprofiled: int = 3) -> dict:
+    """One more training step of `run` under torch.profiler (the CPU, and CUDA on a GPU; shapes recorded), its
+    Chrome trace written to `path`, beside `unprofiled` steps timed without it; and what the trace says
+    (nanodist.profile): the collectives in launch order, the compute and communication lanes, the fraction of
+    communication under compute, and whether nanodist's own record of the step (DDP's and ZeRO-2's bucket
+    timeline, FSDP's events) shows the same collectives in the same order. The extra steps are not the run's:
+    its results file and progress bar do not see them. A collective call on every rank (each profiles its own)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from . import profile as prof
+    trainer, group = run.trainer, run.trainer.group
+    cuda = group.device.type == "cuda"
+    saved_cfg, saved_recorder = trainer.cfg, trainer.recorder
+    # room for the steps below, and one more: the last step of a run evaluates, and none of these should
+    trainer.cfg = dataclasses.replace(saved_cfg, steps=trainer.step + unprofiled + 2, progress=False)
+    trainer.recorder = None
+
+    def step() -> float:
+        if cuda:
+            torch.cuda.synchronize(group.device)
+        t = time.perf_counter()
+        trainer.fit(max_steps=1)
+        if cuda:
+            torch.cuda.synchronize(group.device)
+        return time.perf_counter() - t
+
+    try:
+        times = [step() for _ in range(unprofiled)]
+        own = _own_record(run)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        try:
+            with profile(activities=activities, record_shapes=True) as p:
+                with prof.step_marker():
+                    profiled = step()
+        finally:
+            if own is not None:
+                own[0]()
+    finally:
+        trainer.cfg, trainer.recorder = saved_cfg, saved_recorder
+    p.export_chrome_trace(str(path))
+    trace = prof.read_trace(path)
+    record = own[1]() if own is not None else None
+    return {"impl": run.name, "trace": os.path.basename(str(path)), "device": trace.device,
+            "profiled_step_s": profiled, "unprofiled_step_s": statistics.median(times),
+            "ratio_profiled_vs_unprofiled": profiled / statistics.median(times),
+            "step_s": trace.step_s, "compute_s": trace.busy_s("compute"), "communication_s": trace.busy_s("communication"),
+            "overlap": trace.overlap(),
+            "collectives": [dataclasses.asdict(c) for c in trace.collectives],
+            "own_record": record, "agreement": None if record is None else prof.agree(trace.collectives, record)}
+
+
+def profile_line(p: dict) -> str:
+    """One printed line for a profile_step result."""
+    overlap = "no communication" if p["overlap"] is None else f"{100 * p['overlap']:.0f} % of it under compute"
+    a = p["agreement"]
+    if a is None:
+        check = "nanodist keeps no record of this implementation's collectives to compare"
+    elif a["agrees"]:
+        check = f"nanodist's own record of its {a['of']} collective(s): the same, in the same order"
+    else:
+        check = (f"nanodist's own record DISAGREES: its collective {a['matched'] + 1} of {a['of']}, "
+                 f"{a['missing'][0]} of {a['missing'][1]} elements, is not in the trace where expected")
+    return (f"profile {p['impl']}: profiled step {1e3 * p['profiled_step_s']:.1f} ms, unprofiled "
+            f"{1e3 * p['unprofiled_step_s']:.1f} ms (ratio {p['ratio_profiled_vs_unprofiled']:.2f}); "
+            f"compute {1e3 * p['compute_s']:.1f} ms, communication {1e3 * p['communication_s']:.1f} ms, {overlap}; "
+            f"{len(p['collectives'])} collective(s) traced; {check}")
+
+
+def profile_runs(runs: dict, names, recorder, group: Group) -> dict:
+    """--profile: profile_step for each of `names` that `runs` has, one after another, traces beside the run's
+    results file; prints a line each on rank 0 and returns {name: [each rank's profile_step result]}."""
+    out, run_id = {}, group.broadcast_object(recorder.run_id)  # the results file's: rank 0's
+    for name in names:
+        if name not in runs:
+            continue
+        mine = profile_step(runs[name], recorder.trace_path(name, group.rank, run_id))
+        out[name] = group.all_gather_object(mine)
+        runtime.print0(profile_line(mine))
+    if out:
+        runtime.print0(f"traces: {results.shown(recorder.trace_path(next(iter(out)), 0, run_id).parent)}"
+                       f"/{run_id}.*{results.TRACE_SUFFIX} (chrome://tracing or https://ui.perfetto.dev)")
+    return out

@@ -848,7 +848,8 @@ class FSDPTimeline(Observer):
     def _add(self, what: str, unit: Unit) -> None:
         t = self._clock()
         self._t0 = t if self._t0 is None else self._t0
-        self.events.append({"unit": unit.name, "event": what, "t": t - self._t0, "bytes": unit.full_bytes})
+        self.events.append({"unit": unit.name, "event": what, "t": t - self._t0, "bytes": unit.full_bytes,
+                            "numel": unit.padded})
 
     def gather_started(self, unit): self._add("gather_started", unit)  # noqa: E704
     def gathered(self, unit): self._add("gathered", unit)  # noqa: E704

@@ -51,6 +51,9 @@ class ResultsError(ValueError):
 
 # ----------------------------------------------------------------------------- where
 
+TRACE_SUFFIX = ".trace.json"  # torch.profiler Chrome traces (--profile), kept beside their run's results file
+
+
 def results_dir() -> Path:
     """Where lab runs write: $NANODIST_RESULTS_DIR, else labs/results/ of this repository."""
     env = os.environ.get("NANODIST_RESULTS_DIR")
@@ -207,6 +210,13 @@ class Recorder:
     @property
     def path(self) -> Path:
         return (self.directory or results_dir() / self.lab) / f"{self.run_id}.jsonl"
+
+    def trace_path(self, name: str, rank: int, run_id: str | None = None) -> Path:
+        """Where a profiler trace of this run goes: beside its results file, named for the run (`run_id`: rank 0's,
+        which every rank should use; each rank's Recorder has an id of its own), `name` and the rank."""
+        path = self.path.with_name(f"{run_id or self.run_id}.{name}.rank{rank}{TRACE_SUFFIX}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
 
     def _identity(self) -> dict:
         g = self.group
@@ -379,6 +389,8 @@ def load_all(lab: str | None = None, roots=None, include_reference: bool = True)
         if not root.is_dir():
             continue
         for path in sorted([*root.rglob("*.jsonl"), *root.rglob("*.json")]):
+            if path.name.endswith(TRACE_SUFFIX):  # a profiler's trace beside its run's file, not a results file
+                continue
             resolved = path.resolve()
             # labs/results/ contains reference/: walk into it only when it was asked for as a root.
             if reference in resolved.parents and reference not in explicit:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .group import Group
+from .profile import annotated
 
 
 def _shm_dir() -> str:
@@ -105,6 +106,7 @@ class SharedMemoryAllReduce:
         self.lo = self.rank * base + min(self.rank, extra)
         self.hi = self.lo + base + (self.rank < extra)
 
+    @annotated("shm", "all_reduce", lambda a: a["self"].numel)
     def all_reduce_(self, tensor: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         """Sum over ranks, in place. With `tensor=None` the contribution is whatever this rank wrote into
         `self.mine`, and the sum stays in `self.result` (read it before the next call). `scale` multiplies the
@@ -131,6 +133,7 @@ class SharedMemoryAllReduce:
             tensor.copy_(self.result.view_as(tensor))
         return tensor
 
+    @annotated("shm", "reduce_scatter", lambda a: a["self"].numel)
     def reduce_scatter_(self, out: torch.Tensor, fence: bool = True) -> torch.Tensor:
         """Every rank has written its whole input into `self.mine` (world_size chunks of out.numel() elements):
         out = the sum over ranks of chunk `rank`. Collective. fence=False: see the module docstring."""
@@ -144,6 +147,7 @@ class SharedMemoryAllReduce:
             dist.barrier(group=self.pg)  # every rank has read its chunk: the rows may be written again
         return out
 
+    @annotated("shm", "all_gather", lambda a: a["self"].numel)
     def all_gather_(self, inp: torch.Tensor, read, fence: bool = True) -> None:
         """Rank r's `inp` lands in chunk r of the result row; `read(result)` runs on every rank once all chunks
         are in (copy out what you need: the row is reused). Collective. fence=False: see the module docstring."""
