@@ -793,6 +793,9 @@ def _own_record(run: Run):
     [(kind, numel)] in launch order; None for what keeps no record (torch's DDP and FSDP2, ZeRO-1)."""
     from .fsdp import FSDPTimeline
     from .sync import BucketTimeline
+    ours = isinstance(run.model, (DDP, FSDP)) or hasattr(run.optimizer, "observe")
+    if ours and run.trainer.group.size == 1:  # nanodist's wrappers and optimizers launch nothing in a world of one
+        return (lambda: None), (lambda: [])
     if isinstance(run.model, DDP):
         tl = BucketTimeline()
         run.model.observe(tl)
@@ -862,14 +865,16 @@ def profile_step(run: Run, path, unprofiled: int = 3) -> dict:
             "step_s": trace.step_s, "compute_s": trace.busy_s("compute"), "communication_s": trace.busy_s("communication"),
             "overlap": trace.overlap(),
             "collectives": [dataclasses.asdict(c) for c in trace.collectives],
-            "own_record": record, "agreement": None if record is None else prof.agree(trace.collectives, record)}
+            "own_record": record, "agreement": prof.agree(trace.collectives, record) if record else None}
 
 
 def profile_line(p: dict) -> str:
     """One printed line for a profile_step result."""
     overlap = "no communication" if p["overlap"] is None else f"{100 * p['overlap']:.0f} % of it under compute"
     a = p["agreement"]
-    if a is None:
+    if a is None and p["own_record"] == []:
+        check = "nanodist's own record: no collectives either (nothing travels in a world of one)"
+    elif a is None:
         check = "nanodist keeps no record of this implementation's collectives to compare"
     elif a["agrees"]:
         check = f"nanodist's own record of its {a['of']} collective(s): the same, in the same order"

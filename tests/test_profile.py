@@ -184,3 +184,14 @@ def test_without_profile_no_trace_is_written(results_dir):
     assert not list(results_dir.rglob("*.trace.json"))
     (rec,) = load_all("lab03_ddp", roots=[results_dir], include_reference=False)
     assert "profile" not in rec["metrics"]
+
+
+def test_a_world_of_one_profiles_compute_only_and_says_nothing_travels(results_dir):
+    from nanodist.testing import run_script
+    out = run_script("labs/lab03_ddp.py", TINY + ["--impl", "nanodist"], timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (rec,) = load_all("lab03_ddp", roots=[results_dir], include_reference=False)
+    (mine,) = rec["metrics"]["profile"]["nanodist"]
+    assert mine["own_record"] == [] and mine["agreement"] is None and mine["collectives"] == []
+    assert mine["overlap"] is None and mine["compute_s"] > 0
+    assert "nothing travels in a world of one" in out.stdout
