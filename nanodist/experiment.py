@@ -36,6 +36,7 @@ import argparse
 import math
 import os
 import statistics
+import warnings
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
@@ -848,9 +849,11 @@ def profile_step(run: Run, path, unprofiled: int = 3) -> dict:
         own = _own_record(run)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         try:
-            with profile(activities=activities, record_shapes=True) as p:
-                with prof.step_marker():
-                    profiled = step()
+            with warnings.catch_warnings():  # torch 2.11 warns that a one-cycle profile keeps one cycle's events
+                warnings.filterwarnings("ignore", message=".*Profiler clears events")
+                with profile(activities=activities, record_shapes=True) as p:
+                    with prof.step_marker():
+                        profiled = step()
         finally:
             if own is not None:
                 own[0]()

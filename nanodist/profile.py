@@ -11,15 +11,17 @@ something computed.
     agree(trace.collectives, own_timeline)   # the same collectives in the same order as nanodist's own record?
 
 Where the trace finds each thing (torch 2.11-2.13):
-- the step: the span `step_marker()` records ("nanodist step"), on the thread that ran the step;
-- collectives launched through a process group: that thread's `c10d::` operators (`c10d::allreduce_`,
-  `c10d::_allgather_base_`, `c10d::_reduce_scatter_base_`, ...), with their tensors' shapes;
+- the step: the span `step_marker()` records ("nanodist step"), in the process that ran the step;
+- collectives launched through a process group: that process's `c10d::` operators (`c10d::allreduce_`,
+  `c10d::_allgather_base_`, `c10d::_reduce_scatter_base_`, ...), with their tensors' shapes, on whichever
+  thread launched them (on a GPU the backward's hooks run on autograd's thread for the device);
 - nanodist's own synchronous collectives (the ring over point-to-point messages, shared memory): the spans
   `annotated` records around them ("nanodist ring reduce_scatter (4096 elements)"); the point-to-point
   messages inside one are part of it, not collectives of their own;
 - communication running: gloo's worker threads' spans (`gloo:all_reduce`, ...), NCCL's kernels on a GPU
   (`ncclDevKernel_...`), and nanodist's synchronous collectives;
-- compute: on a GPU, every other kernel; on a CPU, the operators of the step's thread outside collectives.
+- compute: on a GPU, every other kernel; on a CPU, the process's operators outside collectives (gloo's worker
+  threads run none).
 
 Nothing here runs unless a profiler does: `annotated` checks whether one is recording before it formats a
 name, and the rest reads files.
@@ -163,15 +165,20 @@ def read_trace(path) -> Trace:
     if not steps:
         raise ValueError(f"{path}: no '{STEP}' span: record the step inside nanodist.profile.step_marker()")
     step = max(steps, key=lambda e: e["dur"])
-    t0, t1, main = step["ts"], step["ts"] + step["dur"], (step["pid"], step["tid"])
+    t0, t1 = step["ts"], step["ts"] + step["dur"]
     sec = lambda us: (us - t0) / 1e6  # noqa: E731
-    inside = [e for e in spans if e["ts"] >= t0 and e["ts"] <= t1 and e is not step]
-    on_main = [e for e in inside if (e["pid"], e["tid"]) == main]
-    ours = [e for e in on_main if _ANNOTATION.match(e["name"])]
-    within_ours = lambda e: any(o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]  # noqa: E731
-                                for o in ours if o is not e)
+    inside = [e for e in spans if t0 <= e["ts"] <= t1 and e is not step]
+    # The step's process, every thread of it: on a GPU the backward (and the hooks that launch collectives) runs
+    # on autograd's thread for the device, not on the one that called backward.
+    host = [e for e in inside if e["pid"] == step["pid"] and e.get("cat") in ("cpu_op", "user_annotation")]
+    ours = [e for e in host if _ANNOTATION.match(e["name"])]
+
+    def within_ours(e) -> bool:  # inside one of nanodist's collectives, on the same thread
+        return any(o is not e and o["tid"] == e["tid"] and o["ts"] <= e["ts"] and
+                   e["ts"] + e["dur"] <= o["ts"] + o["dur"] for o in ours)
+
     collectives = []
-    for e in on_main:
+    for e in host:
         m = _ANNOTATION.match(e["name"])
         if m:
             if not within_ours(e):
@@ -182,20 +189,17 @@ def read_trace(path) -> Trace:
             collectives.append(Collective(kind, _numel(e.get("args", {}).get("Input Dims")), sec(e["ts"]),
                                           "process group"))
     collectives.sort(key=lambda c: c.start_s)
-    kernels = [e for e in inside if e.get("cat") == "kernel"]
     mine = [(sec(o["ts"]), sec(o["ts"] + o["dur"])) for o in ours]
+    gloo = [(sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in host if e["name"].startswith("gloo:")]
+    kernels = [e for e in inside if e.get("cat") == "kernel"]
     if kernels:  # a GPU: its kernels are the lanes
         nccl = [e for e in kernels if e["name"].lower().startswith("nccl")]
-        comm = [(sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in nccl]
+        comm = [(sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in nccl] + gloo + mine
         compute = [(sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in kernels if e not in nccl]
-        gloo = [e for e in inside if e["name"].startswith("gloo:")]
-        comm += [(sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in gloo] + mine
         return Trace(sec(t1), collectives, compute, comm, "cuda")
-    comm = [(sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in inside if e["name"].startswith("gloo:")] + mine
-    ops = [e for e in on_main if e.get("cat") == "cpu_op" and not e["name"].startswith("c10d::")
-           and not within_ours(e)]
+    ops = [e for e in host if e.get("cat") == "cpu_op" and not e["name"].startswith("c10d::") and not within_ours(e)]
     compute = _minus(union((sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in ops), union(mine))
-    return Trace(sec(t1), collectives, compute, comm, "cpu")
+    return Trace(sec(t1), collectives, compute, gloo + mine, "cpu")
 
 
 def _minus(spans, holes) -> list[tuple[float, float]]:

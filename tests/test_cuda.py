@@ -42,9 +42,9 @@ def test_every_lab_at_a_world_of_one_with_nccl(lab, tmp_path):
     run = nd.launch(lab, nproc=1, args=args, env=backend_env("nccl", tmp_path), timeout=600, echo=False)
     assert run.results is not None
     assert (run.results["backend"], run.results["device"]) == ("nccl", "cuda")
-    if lab == "lab05_fsdp":  # nanodist's peak accounting against torch's allocator, over the same step
-        for name, r in run.results["metrics"]["impls"].items():
-            assert 0.5 < r["ratio_peak_vs_cuda_max_allocated"] <= 1.05, (name, r["memory"])
+    if lab == "lab05_fsdp":  # nanodist's peak accounting against torch's allocator, over the same step: ours
+        for name, r in run.results["metrics"]["impls"].items():  # counts operations' outputs, a lower bound
+            assert 0 < r["ratio_peak_vs_cuda_max_allocated"] <= 1.0, (name, r["memory"])
 
 
 @pytest.mark.parametrize("lab", list(LAB_ARGS))

@@ -56,6 +56,8 @@ def test_a_cpu_trace_read_back_as_lanes_and_collectives(tmp_path):
 def test_a_gpu_trace_takes_its_lanes_from_the_kernels(tmp_path):
     events = [span(prof.STEP, 0, 100, cat="user_annotation"),
               span("c10d::allreduce_", 10, 1, **{"Input Dims": [[[4096]], [], []]}),
+              # launched from autograd's thread for the GPU, as a backward hook does
+              span("c10d::_reduce_scatter_base_", 60, 1, tid=13, **{"Input Dims": [[64], [128], []]}),
               span("ampere_sgemm", 5, 50, tid=7, cat="kernel"),
               span("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 30, 40, tid=8, cat="kernel"),
               span("aten::mm", 0, 90)]  # the host's launches are not the GPU's lanes
@@ -63,7 +65,7 @@ def test_a_gpu_trace_takes_its_lanes_from_the_kernels(tmp_path):
     assert t.device == "cuda"
     assert t.busy_s("compute") == pytest.approx(50e-6) and t.busy_s("communication") == pytest.approx(40e-6)
     assert t.overlap() == pytest.approx(25 / 40)
-    assert [(c.kind, c.numel) for c in t.collectives] == [("all_reduce", 4096)]
+    assert [(c.kind, c.numel) for c in t.collectives] == [("all_reduce", 4096), ("reduce_scatter", 128)]
 
 
 def test_a_trace_without_the_step_marker_is_refused(tmp_path):
