@@ -16,7 +16,7 @@
 #    traced with torch.profiler: the gpt2 preset at a world of one with nccl (compute only), and the small
 #    preset on 2 ranks sharing the GPU through gloo (communication through the host).
 set -u
-OUTDIR=${1:?usage: bash labs/gpu_reference.sh OUTDIR [SECONDS]}
+OUTDIR=${1:?usage: bash labs/gpu_reference.sh OUTDIR [SECONDS] [PARTS]}
 DEADLINE=$(( $(date +%s) + ${2:-420} ))
 PARTS=" ${3:-tests gpt2 profile} "
 PY=${PYTHON:-python3}

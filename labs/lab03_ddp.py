@@ -231,6 +231,9 @@ def main():
     base, source = results.get("single"), "same run"
     if base is None and group.size > 1:
         base, source = baseline_from_files(cfg, group, main_impl), "an earlier 1-rank run"
+    if base is None and group.size > 1:
+        nd.print0("no speedup: no earlier 1-rank run of this set-up among your results on this machine (the same "
+                  "hardware fingerprint, torch, backend and device): run --impl single first, or add --baseline")
     if base is not None and group.size > 1:
         speedup = results[main_impl]["tokens_per_s"] / base["tokens_per_s"]
         metrics.update(speedup=speedup, efficiency=speedup / group.size, baseline_source=source)

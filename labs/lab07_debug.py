@@ -23,12 +23,19 @@ comes from the tools alone, and the results file records both, so a wrong diagno
   set-epoch   a rank never calls sampler.set_epoch    check_sampler_exactly_once at the next epoch: the rank in
                                                       every duplicated index
   port-in-use the rendezvous port is taken            torchrun's rendezvous error (no rank: the port)
+  rank-local-metric  a rank logs its own loss, not    nanodist.check.assert_same_across_ranks on the logged
+              the average over the ranks              value: the odd one out
+  no-sync-forward  torch DDP, gradient accumulation:  torch.distributed.monitored_barrier at the end: the rank
+              a rank's forward outside no_sync()      still in an all-reduce the others finished
+  memory-blowup  a rank's evaluation keeps its graph  each rank's memory after each step
+              alive (no no_grad, total += loss)       (nanodist.memory.process_memory): the one that grows
 
 Every fault ends in seconds: a hang within the collective timeout the lab sets (NANODIST_TIMEOUT, 5 s here), never
 torch's default 30 minutes.
 """
 import argparse
 import collections
+import datetime
 import os
 import random
 import re
@@ -51,6 +58,7 @@ from nanodist.results import Recorder  # noqa: E402
 TIMEOUT_S = 5  # the collective timeout of a faulty run: a hang is over well within the demo's 15 s
 STEPS = 4
 PLANT_AT = 2  # the step at which a fault strikes
+MEMORY_STEPS = 8
 
 
 @dataclass
@@ -143,6 +151,79 @@ def run_mismatch(bad: int) -> None:
     group = nd.Group.world()
     t = torch.ones(4 if group.rank == bad else 3)  # e.g. a metric vector with one entry more on one rank
     torch.distributed.all_reduce(t)
+
+
+def run_rank_local_metric(bad: int) -> None:
+    """Every rank logs the step's loss for the run (a logger per node, a callback on every rank); on one rank the
+    logging code reads its own loss, not the one averaged over the ranks."""
+    group = nd.Group.world()
+    model = parity.UserModel(layers=2)
+    ddp = nd.DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = parity.batch(step, group.rank, group.size)
+        loss = ddp(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG)
+        logged = loss.detach() if group.rank == bad else mean  # the bug: this rank's logger reads the local loss
+        check.assert_same_across_ranks(logged, f"the logged loss at step {step}")
+
+
+def run_no_sync_forward(bad: int) -> None:
+    """Gradient accumulation under torch DDP, two micro-steps a step: no_sync() around the first. On one rank the
+    forward is outside the block (only the backward in it): torch DDP decides in the forward whether the next
+    backward synchronises, so that rank all-reduces in every micro-step, the others once a step."""
+    group = nd.Group.world()
+    model = parity.UserModel(layers=2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        for micro in range(2):
+            x, y = parity.batch(2 * step + micro, group.rank, group.size)
+            if micro == 1:  # the last micro-step synchronises
+                ddp(x, y)[1].backward()
+            elif group.rank == bad:  # the bug: the forward outside no_sync()
+                loss = ddp(x, y)[1]
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                with ddp.no_sync():
+                    ddp(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    # the end of the run: every rank should arrive here with nothing in flight; rank 0 waits for each and names
+    # any that does not come (torch 2.13's TORCH_DISTRIBUTED_DEBUG=DETAIL would name the odd collective, but
+    # with torch's DDP on gloo it crashes the ranks at DDP's construction)
+    torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT_S), wait_all_ranks=True)
+
+
+def run_memory_blowup(bad: int) -> None:
+    """An evaluation after every step that sums its loss as a tensor (`val_total += loss`) outside torch.no_grad():
+    each evaluation's autograd graph, with the activations it saved, stays alive as long as the running total.
+    Bounded here: about 9 MiB a step (the 512 x 4096 activation ReLU saves, and the input) for MEMORY_STEPS steps."""
+    from nanodist.memory import process_memory
+    group = nd.Group.world()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 256))
+    ddp = nd.DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = lambda i: torch.randn(512, 256, generator=torch.Generator().manual_seed(i))  # noqa: E731
+    val_total = torch.zeros(())
+    for step in range(MEMORY_STEPS):
+        ddp(data(step * group.size + group.rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if group.rank == bad:  # the bug: no torch.no_grad() around the evaluation, and the loss kept as a tensor
+            val_total = val_total + model(data(10_000 + step)).pow(2).mean()
+        else:
+            with torch.no_grad():
+                val_total = val_total + model(data(10_000 + step)).pow(2).mean()
+        used = process_memory()
+        print(f"memory: rank {group.rank} step {step}: {used['bytes'] / 2**20:.1f} MiB ({used['source']})",
+              flush=True)
 
 
 def run_uneven_data(bad: int) -> None:
@@ -242,6 +323,57 @@ def diagnose_mismatch(output: str):
                 f"[{next(v for r, v in shapes.items() if r != odd)}]", _line(output, "Detected mismatch between collectives")
 
 
+def diagnose_rank_local_metric(output: str):
+    value = re.search(r"values out of sync across \d+ ranks: '([^']+)'", output)
+    groups = re.search(r"ranks with identical copies: ([^\n]*)", output)
+    if value is None or groups is None:
+        return None
+    by_rank = {int(r): i for i, group in enumerate(groups.group(1).split(";")) for r in re.findall(r"\d+", group)}
+    odd = _majority_odd_one(by_rank)
+    if odd is None:
+        return None
+    return odd, f"logs a rank-local value: {value.group(1)} differs from what the other ranks log (not averaged " \
+                f"over the ranks)", _line(output, "ranks with identical copies")
+
+
+def diagnose_no_sync_forward(output: str):
+    # monitored_barrier at the end: rank 0 names the ranks that did not arrive; when rank 0 is the one, every other
+    # rank reached the barrier and reports it could not hear from rank 0
+    missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", output)
+    if missing is not None:
+        ranks = [int(r) for r in re.findall(r"\d+", missing.group(1))]
+        rank, evidence = (ranks[0], _line(output, "failed to pass monitoredBarrier")) if len(ranks) == 1 else (None, "")
+    else:
+        heard = {int(r): int(src) for r, src in re.findall(r"Rank (\d+) successfully reached monitoredBarrier, but "
+                                                            r"received errors while waiting for send/recv from rank "
+                                                            r"(\d+)", output)}
+        named = set(heard.values())
+        rank = named.pop() if len(named) == 1 and len(heard) >= 2 else None
+        evidence = _line(output, "successfully reached monitoredBarrier")
+    if rank is None:
+        return None
+    return rank, "never reached the final barrier: it was still in an all-reduce the others had finished -- it ran " \
+                 "more all-reduces than they did (its backward synchronised in a micro-step theirs kept local: a " \
+                 "forward outside no_sync())", evidence
+
+
+def diagnose_memory_blowup(output: str):
+    # each rank's memory after each step; the rank whose memory keeps growing while the others' stays flat
+    seen = collections.defaultdict(dict)
+    for r, step, mib in re.findall(r"memory: rank (\d+) step (\d+): ([\d.]+) MiB", output):
+        seen[int(r)][int(step)] = float(mib)
+    if len(seen) < 2 or any(len(v) < 4 for v in seen.values()):
+        return None
+    growth = {r: (v[max(v)] - v[1]) / (max(v) - 1) for r, v in seen.items()}  # MiB a step, after the first
+    worst = max(growth, key=growth.get)
+    rest = [g for r, g in growth.items() if r != worst]
+    if growth[worst] < 1.0 or growth[worst] < 4 * max(max(rest), 0.25):
+        return None
+    return worst, f"its memory grows {growth[worst]:.1f} MiB a step (the others' {max(rest):.1f}): it keeps " \
+                  f"something of every step alive (an autograd graph held by a tensor)", \
+        _line(output, rf"memory: rank {worst} step {max(seen[worst])}:")
+
+
 def diagnose_uneven_data(output: str):
     m = re.search(r"rank (\d+) reads (\d+) samples, but a rank's share[^\n]*", output)
     return None if m is None else (int(m.group(1)), f"reads only {m.group(2)} samples", m.group(0).strip())
@@ -259,6 +391,12 @@ FAULTS = {f.name: f for f in (
     Fault("mismatch", "a rank all-reduces a tensor of another shape", 3, run_mismatch, diagnose_mismatch,
           {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
     Fault("uneven-data", "a rank's shard of the data is short", 2, run_uneven_data, diagnose_uneven_data),
+    Fault("rank-local-metric", "a rank logs its own loss, not the average over the ranks", 3,
+          run_rank_local_metric, diagnose_rank_local_metric),
+    Fault("no-sync-forward", "a rank's forward is outside no_sync() (torch DDP, gradient accumulation)", 3,
+          run_no_sync_forward, diagnose_no_sync_forward),
+    Fault("memory-blowup", "a rank keeps every evaluation's autograd graph alive (no no_grad, total += loss)", 2,
+          run_memory_blowup, diagnose_memory_blowup),
 )}
 
 

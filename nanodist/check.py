@@ -4,6 +4,7 @@
     loss.backward(); assert_grads_in_sync(model)
     opt.step(); assert_optimizer_state_in_sync(opt)
     check_sampler_exactly_once(sampler)     # every sample of the epoch read by exactly one rank
+    assert_same_across_ranks(loss, "loss")  # a value every rank should hold alike (a logged metric)
 
 The sync checkers are collectives: every rank must call them, in the same order. They work with any
 initialised default process group (or `group=`), whoever created it; without one, or at world size 1,
@@ -157,6 +158,11 @@ def _max_abs_diff(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, tuple,
     return float(diff.reshape(-1)[flat]), where, float(a.reshape(-1)[flat]), float(b.reshape(-1)[flat])
 
 
+_HINTS = {"values": "A value every rank should hold the same differs: a metric logged without averaging it over the "
+                   "ranks (all_reduce with AVG before logging), or one computed from a rank's own data or random "
+                   "stream."}
+
+
 def _raise_value_mismatch(kind, name, t, values, diffs, checksums, i, n_suspects, atol, group):
     # Group ranks holding bit-identical copies, so "ranks 0, 2 agree; rank 1 differs" reads at a glance.
     versions: dict[tuple, list[int]] = defaultdict(list)
@@ -172,7 +178,7 @@ def _raise_value_mismatch(kind, name, t, values, diffs, checksums, i, n_suspects
         lines.append(f"  {n_suspects} {kind} tensors differ in bits in all; this is the first by order.")
     if atol:
         lines.append(f"  Tolerance: atol={atol:g}.")
-    lines.append("  " + _HINT)
+    lines.append("  " + _HINTS.get(kind, _HINT))
     raise AssertionError("\n".join(lines))
 
 
@@ -225,6 +231,16 @@ def assert_params_in_sync(module: torch.nn.Module, *, atol: float = 0.0, group=N
         items += [(f"buffer {n}", _local(b)) for n, b in module.named_buffers()]
     items = [(n, t) for n, t in items if t is not None]
     _assert_in_sync("parameters", items, atol, Group.resolve(group))
+
+
+def assert_same_across_ranks(value, name: str, *, atol: float = 0.0, group=None) -> None:
+    """Raise AssertionError on every rank unless every rank holds the same `value` (a tensor or a number): a
+    logged metric that should be global (a loss, a gradient norm), a decision every rank must take alike.
+
+    Collective: call it on every rank, with the same `name`. The message names the value and groups the ranks
+    that agree, as assert_params_in_sync does."""
+    t = value.detach() if torch.is_tensor(value) else torch.as_tensor(value)
+    _assert_in_sync("values", [(name, t)], atol, Group.resolve(group))
 
 
 def assert_grads_in_sync(module: torch.nn.Module, *, atol: float = 0.0, group=None) -> None:

@@ -33,6 +33,7 @@ ZeroRedundancyOptimizer over AdamW, behind a DDP wrapper).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -712,9 +713,10 @@ def measure_peak_step(run: Run, trace: bool = False, max_points: int = 1500) -> 
     trace=True adds "trace": the bytes allocated after each operation of the step ("total"), with the saved
     activations and gathered units at the same moments and where forward, backward and the optimizer began
     ("phases", as operation indices); at most max_points points (each the largest of the operations it covers).
-    On a GPU, "cuda_max_allocated" is torch.cuda.max_memory_allocated over the same step (its peak statistics
-    reset first), to set beside "peak"."""
-    from .memory import AllocationTracker, LiveBytes
+    On a GPU, "cuda_step_peak" is the same peak as torch's allocator counts it (torch.cuda.max_memory_allocated
+    over the step, less what was allocated when it began), to set beside "step_peak": ours counts the outputs of
+    operations, so it cannot see what an operation allocates and frees inside itself, nor library workspaces."""
+    from .memory import AllocationTracker, LiveBytes, allocated_peak
     x, y = next(run.train)
     run.optimizer.zero_grad(set_to_none=True)
     states = measure_memory(run.model, run.optimizer)
@@ -722,15 +724,15 @@ def measure_peak_step(run: Run, trace: bool = False, max_points: int = 1500) -> 
     alloc = AllocationTracker()
     live = LiveBytes(clock=lambda: len(alloc.timeline))
     gpu = next((p.device for p in run.model.parameters() if p.device.type == "cuda"), None)
-    if gpu is not None:  # torch's own count of the same step, to set beside ours
-        torch.cuda.synchronize(gpu)
-        torch.cuda.reset_peak_memory_stats(gpu)
     fsdp = run.model if isinstance(run.model, FSDP) else None
     if fsdp is not None:  # FSDP's events say which bytes are gathered units
         saved = fsdp.observer
         fsdp.observer = [live] + (list(saved) if isinstance(saved, (list, tuple)) else [saved] if saved else [])
     phases = {}
-    with alloc, live.track(), autocast(run.trainer.cfg.dtype, run.trainer.group.device):
+    # On a GPU, the allocator's own count of the same step (above what was allocated when it began: other runs'
+    # models alive beside this one are not the step's), to set beside ours.
+    with (allocated_peak() if gpu is not None else contextlib.nullcontext({})) as cuda, alloc, live.track(), \
+            autocast(run.trainer.cfg.dtype, run.trainer.group.device):
         phases["forward"] = len(alloc.timeline)
         _, loss = run.model(x, y)
         phases["backward"] = len(alloc.timeline)
@@ -748,8 +750,8 @@ def measure_peak_step(run: Run, trace: bool = False, max_points: int = 1500) -> 
     out = {"held": held, "params": states.params, "grads": grads, "optimizer_state": states.optimizer_state,
            "step_peak": alloc.peak, "peak": held + alloc.peak, "activations_max": acts["max"]["activations"],
            "gathered_max": acts["max"]["gathered"]}
-    if gpu is not None:  # everything allocated at the step's peak: ours plus the batch, buffers, library workspaces
-        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(gpu)
+    if gpu is not None:
+        out["cuda_step_peak"] = cuda["peak"]
     if trace:
         out["trace"] = _memory_trace(alloc.timeline, live.events, phases, max_points)
     return out
@@ -803,10 +805,11 @@ def _own_record(run: Run):
         return (lambda: run.model.observe(None),
                 lambda: [("all_reduce", e["numel"]) for e in sorted(tl.entries, key=lambda e: e["launch_s"])])
     if hasattr(run.optimizer, "observe") and getattr(run.optimizer, "zero_stage", None) == 2:
-        tl, sizes = BucketTimeline(), run.optimizer.bucket_sizes()  # ZeRO-2: each bucket is reduce-scattered
-        run.optimizer.observe(tl)                                     # as the backward fills it
-        return (lambda: run.optimizer.observe(None),
-                lambda: [("reduce_scatter", sizes[e["bucket"]]) for e in sorted(tl.entries, key=lambda e: e["launch_s"])])
+        # ZeRO-2: each bucket (world size x its row of padded pieces) is reduce-scattered as the backward fills it
+        tl, saved = BucketTimeline(), getattr(run.optimizer, "_observer", None)
+        run.optimizer.observe(tl)
+        return (lambda: run.optimizer.observe(saved),
+                lambda: [("reduce_scatter", e["numel"]) for e in sorted(tl.entries, key=lambda e: e["launch_s"])])
     if isinstance(run.model, FSDP):
         tl, saved = FSDPTimeline(), run.model.observer
         run.model.observer = [tl] + (list(saved) if isinstance(saved, (list, tuple)) else [saved] if saved else [])
@@ -868,7 +871,8 @@ def profile_step(run: Run, path, unprofiled: int = 3) -> dict:
             "step_s": trace.step_s, "compute_s": trace.busy_s("compute"), "communication_s": trace.busy_s("communication"),
             "overlap": trace.overlap(),
             "collectives": [dataclasses.asdict(c) for c in trace.collectives],
-            "own_record": record, "agreement": prof.agree(trace.collectives, record) if record else None}
+            "own_record": record,
+            "agreement": prof.agree(trace.collectives, record) if record is not None and group.size > 1 else None}
 
 
 def profile_line(p: dict) -> str:
@@ -879,6 +883,8 @@ def profile_line(p: dict) -> str:
         check = "nanodist's own record: no collectives either (nothing travels in a world of one)"
     elif a is None:
         check = "nanodist keeps no record of this implementation's collectives to compare"
+    elif a["missing"] is None and not a["agrees"]:
+        check = "nanodist's own record DISAGREES: it holds no collective at all"
     elif a["agrees"]:
         check = f"nanodist's own record of its {a['of']} collective(s): the same, in the same order"
     else:
@@ -894,6 +900,8 @@ def profile_runs(runs: dict, names, recorder, group: Group) -> dict:
     """--profile: profile_step for each of `names` that `runs` has, one after another, traces beside the run's
     results file; prints a line each on rank 0 and returns {name: [each rank's profile_step result]}."""
     out, run_id = {}, group.broadcast_object(recorder.run_id)  # the results file's: rank 0's
+    if not any(name in runs for name in names):
+        runtime.print0(f"--profile: none of {', '.join(names)} trained in this launch: nothing profiled")
     for name in names:
         if name not in runs:
             continue

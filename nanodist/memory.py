@@ -546,3 +546,34 @@ class AllocationTracker(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
         return super().__exit__(*exc)
+
+
+def process_memory(device=None) -> dict:
+    """What this process holds now, as a watch for a leak: on a GPU, torch.cuda.memory_allocated (the tensors
+    alive); on the CPU, the bytes malloc has handed out and not had back (glibc's mallinfo2, every arena: the
+    tensors, and the interpreter's own), or where that is not available (not glibc) the resident set of the
+    process (psutil: coarser -- the allocator's cached pages count too). A leak of tensors shows as steady
+    growth in either. {"bytes", "source"}."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        return {"bytes": torch.cuda.memory_allocated(device), "source": "torch.cuda.memory_allocated"}
+    in_use = _malloc_in_use()
+    if in_use is not None:
+        return {"bytes": in_use, "source": "malloc in use (mallinfo2)"}
+    import psutil
+    return {"bytes": psutil.Process().memory_info().rss, "source": "resident set (psutil)"}
+
+
+def _malloc_in_use() -> int | None:
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):  # not glibc, or a glibc older than 2.33
+        return None
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)  # in use: in the arenas, and in blocks mapped on their own

@@ -20,8 +20,8 @@ Where the trace finds each thing (torch 2.11-2.13):
   messages inside one are part of it, not collectives of their own;
 - communication running: gloo's worker threads' spans (`gloo:all_reduce`, ...), NCCL's kernels on a GPU
   (`ncclDevKernel_...`), and nanodist's synchronous collectives;
-- compute: on a GPU, every other kernel; on a CPU, the process's operators outside collectives (gloo's worker
-  threads run none).
+- compute: on a GPU, every other kernel; on a CPU, the process's operators outside collectives and off gloo's
+  worker threads (whose few operators are its reductions).
 
 Nothing here runs unless a profiler does: `annotated` checks whether one is recording before it formats a
 name, and the rest reads files.
@@ -164,7 +164,9 @@ def read_trace(path) -> Trace:
     steps = [e for e in spans if e.get("name") == STEP and e.get("cat") in ("user_annotation", "cpu_op")]
     if not steps:
         raise ValueError(f"{path}: no '{STEP}' span: record the step inside nanodist.profile.step_marker()")
-    step = max(steps, key=lambda e: e["dur"])
+    if len(steps) > 1:
+        raise ValueError(f"{path}: {len(steps)} '{STEP}' spans: read_trace reads a trace of one step")
+    step = steps[0]
     t0, t1 = step["ts"], step["ts"] + step["dur"]
     sec = lambda us: (us - t0) / 1e6  # noqa: E731
     inside = [e for e in spans if t0 <= e["ts"] <= t1 and e is not step]
@@ -197,7 +199,10 @@ def read_trace(path) -> Trace:
         comm = [(sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in nccl] + gloo + mine
         compute = [(sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in kernels if e not in nccl]
         return Trace(sec(t1), collectives, compute, comm, "cuda")
-    ops = [e for e in host if e.get("cat") == "cpu_op" and not e["name"].startswith("c10d::") and not within_ours(e)]
+    # gloo's worker threads run a few operators of their own (reductions): communication, not compute
+    workers = {e["tid"] for e in host if e["name"].startswith("gloo:")} - {step["tid"]}
+    ops = [e for e in host if e.get("cat") == "cpu_op" and e["tid"] not in workers
+           and not e["name"].startswith("c10d::") and not within_ours(e)]
     compute = _minus(union((sec(e["ts"]), sec(e["ts"] + e["dur"])) for e in ops), union(mine))
     return Trace(sec(t1), collectives, compute, gloo + mine, "cpu")
 

@@ -495,12 +495,19 @@ def references(lab: str, match=None) -> list[dict]:
     return [r for r in load_all(lab, roots=[REFERENCE_DIR]) if match is None or match(r)]
 
 
+def shares_gpus(record: dict) -> bool:
+    """Whether a record's ranks shared GPUs (more ranks than GPUs, through gloo): a stand-in for a GPU box whose
+    timings are the host's copies and gloo's, not what one GPU per rank would give."""
+    gpus = len(record.get("hardware", {}).get("gpu_names") or [])
+    return record.get("device") == "cuda" and record.get("world_size", 1) > gpus * record.get("nnodes", 1)
+
+
 def machine(record: dict) -> str:
     """A short name for the machine a record measured: its GPU if it used one, else its CPU and core count."""
     hw = record.get("hardware", {})
     gpus = hw.get("gpu_names") or []
     if record.get("device") == "cuda" and gpus:
-        return f"{len(gpus)} x {gpus[0]}"
+        return f"{len(gpus)} x {gpus[0]}" + (" (shared by the ranks)" if shares_gpus(record) else "")
     cores = hw.get("cpu_logical_cores")
     return f"{hw.get('cpu_model', 'unknown CPU')}" + (f" ({cores} cores)" if cores else "")
 

@@ -68,9 +68,18 @@ def test_a_gpu_trace_takes_its_lanes_from_the_kernels(tmp_path):
     assert [(c.kind, c.numel) for c in t.collectives] == [("all_reduce", 4096), ("reduce_scatter", 128)]
 
 
-def test_a_trace_without_the_step_marker_is_refused(tmp_path):
+def test_a_trace_without_the_step_marker_or_with_two_is_refused(tmp_path):
     with pytest.raises(ValueError, match="step_marker"):
         prof.read_trace(write(tmp_path, [span("aten::mm", 0, 10)]))
+    two = [span(prof.STEP, 0, 10, cat="user_annotation"), span(prof.STEP, 20, 10, cat="user_annotation")]
+    with pytest.raises(ValueError, match="2 'nanodist step' spans"):
+        prof.read_trace(write(tmp_path, two))
+
+
+def test_gloos_worker_threads_are_communication_not_compute(tmp_path):
+    events = cpu_trace() + [span("aten::add_", 45, 10, tid=GLOO)]  # gloo reducing on its own thread
+    t = prof.read_trace(write(tmp_path, events))
+    assert t.busy_s("compute") == pytest.approx(80e-6)  # as without it
 
 
 def test_no_communication_has_no_overlap(tmp_path):
@@ -197,3 +206,29 @@ def test_a_world_of_one_profiles_compute_only_and_says_nothing_travels(results_d
     assert mine["own_record"] == [] and mine["agreement"] is None and mine["collectives"] == []
     assert mine["overlap"] is None and mine["compute_s"] > 0
     assert "nothing travels in a world of one" in out.stdout
+
+
+def test_the_committed_gpu_traces_read_back_as_their_runs_recorded():
+    """The H200's traces (labs/results/reference/, gzip-compressed) give the collectives, lanes and agreement
+    their runs recorded when read here, on any machine: the reader is the one that made the figures."""
+    from nanodist.results import REFERENCE_DIR, references
+    seen = 0
+    for lab in ("lab03_ddp", "lab04_zero", "lab05_fsdp"):
+        for rec in references(lab, match=lambda r: r["device"] == "cuda" and "profile" in r["metrics"]):
+            for name, ranks in rec["metrics"]["profile"].items():
+                for mine in ranks:
+                    path = REFERENCE_DIR / lab / (mine["trace"] + ".gz")
+                    if not path.is_file():
+                        continue
+                    t = prof.read_trace(path)
+                    assert t.device == "cuda"
+                    assert [(c.kind, c.numel) for c in t.collectives] == [
+                        (c["kind"], c["numel"]) for c in mine["collectives"]]
+                    assert t.busy_s("compute") == pytest.approx(mine["compute_s"])
+                    assert t.busy_s("communication") == pytest.approx(mine["communication_s"])
+                    assert t.overlap() == pytest.approx(mine["overlap"])
+                    if mine["own_record"]:
+                        again = prof.agree(t.collectives, [tuple(x) for x in mine["own_record"]])
+                        assert again["agrees"] and mine["agreement"]["agrees"], (lab, name, again)
+                    seen += 1
+    assert seen >= 10  # DDP (nanodist's, torch's), ZeRO-2, DDP + AdamW, FSDP, FSDP2 traces of the H200

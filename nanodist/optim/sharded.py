@@ -644,12 +644,6 @@ class ShardedOptimizer(torch.optim.Optimizer, ReportsLocalFinite):
             engine.observer = observer
         self._observer = observer
 
-    def bucket_sizes(self) -> dict[int, int]:
-        """Elements of each bucket's collective as a whole, by bucket index: world size x the bucket's row (each
-        parameter padded to equal pieces). Empty in a world of one."""
-        self._plan()
-        return {b.index: self.world_size * b.extra["row"] for b in self._buckets if "row" in b.extra}
-
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The gradient memory this optimizer keeps between steps: at stage 2, this rank's averaged shards."""
         if self._engine is None or self.zero_stage != 2:
