@@ -4,6 +4,10 @@
     report = parity.compare(["ddp", "zero2", "fsdp"], steps=4)     # on every rank, after nanodist.init()
     parity.print_report(report)                                      # one line per set-up: worst deviation, where
 
+    report = parity.harness(model_fn=MyModel, batches=my_batches, optimizer=parity.OptimizerSpec(torch.optim.AdamW,
+                            {"lr": 1e-3}))                           # your model: the first step and tensor where
+    parity.print_harness(report)                                     # a set-up leaves one process, or none
+
 Every wrapper in nanodist is proven against its reference here, on the same models (tests/test_parity.py at world
 sizes 1, 2 and 3), and Chapter 7 hands the same runner to the reader as a parity harness.
 
@@ -22,7 +26,8 @@ fresh model on every rank; the runner trains it for k steps on `batch`, gathers 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -104,16 +109,43 @@ def batch(step: int, rank: int = 0, world_size: int = 1, global_batch: int = GLO
 # ----------------------------------------------------------------------------- set-ups
 
 @dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer a set-up trains with: a torch.optim class and its keyword arguments (the harness builds it
+    for one process and for each set-up, over the parameters each one holds)."""
+
+    cls: type = torch.optim.AdamW
+    kwargs: dict = field(default_factory=lambda: {"lr": LR, "weight_decay": WEIGHT_DECAY})
+
+    def make(self, params):
+        return self.cls(params, **self.kwargs)
+
+
+ADAMW = OptimizerSpec()
+
+
+@dataclass(frozen=True)
 class Setup:
-    """How to train a model one way: build(model, group) -> (module to call, optimizer); full(module) -> every
-    parameter whole by the bare model's names, on every rank; reference: which one-process optimizer it must
-    equal ("adamw" or "muon")."""
+    """How to train a model one way: build(model, group[, optimizer]) -> (module to call, optimizer); full(module)
+    -> every parameter whole by the bare model's names, on every rank; reference: which one-process optimizer it
+    must equal ("adamw" or "muon"); takes_optimizer: build accepts an OptimizerSpec (the harness's optimizer=);
+    grads(module) -> every averaged gradient whole by name, where the set-up holds them so after backward (None:
+    it keeps them sharded or reduces them in its step)."""
 
     name: str
     build: Callable
     full: Callable
     reference: str = "adamw"
     needs_group: bool = False  # only with a process group (torch's wrappers)
+    takes_optimizer: bool = False
+    grads: Callable | None = None
+
+    def make(self, model, group, optimizer: OptimizerSpec | None = None):
+        if self.takes_optimizer:
+            return self.build(model, group, optimizer or ADAMW)
+        if optimizer is not None and optimizer != ADAMW:
+            raise ValueError(f"parity: set-up {self.name!r} builds its own optimizer; it cannot train with "
+                             f"{optimizer.cls.__name__}")
+        return self.build(model, group)
 
 
 SETUPS: dict[str, Setup] = {}
@@ -126,7 +158,7 @@ def register(setup: Setup) -> Setup:
 
 
 def _adamw(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    return ADAMW.make(params)
 
 
 def _trainable(module: nn.Module):
@@ -136,6 +168,30 @@ def _trainable(module: nn.Module):
 def _replicated(module: nn.Module) -> dict:
     bare = getattr(module, "module", module)
     return {n: p.detach().clone() for n, p in bare.named_parameters(remove_duplicate=False)}
+
+
+def _replicated_grads(module: nn.Module) -> dict:
+    bare = getattr(module, "module", module)
+    return {n: p.grad.detach().clone() for n, p in bare.named_parameters() if p.grad is not None}
+
+
+def _fsdp2_grads(module: nn.Module) -> dict:
+    out = {}
+    for n, p in module.named_parameters():
+        if p.grad is not None:
+            g = full_tensor(p.grad).detach().clone()
+            out[n] = g.reshape(()) if n in getattr(module, "parity_scalars", ()) else g
+    return out
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units of a model: its own `fsdp_units()` if it has one, the course-style `blocks` (and `aux`), else
+    every direct child that holds parameters."""
+    if hasattr(model, "fsdp_units"):
+        return list(model.fsdp_units())
+    if hasattr(model, "blocks"):
+        return [*model.blocks] + ([model.aux] if hasattr(model, "aux") else [])
+    return [c for c in model.children() if any(True for _ in c.parameters())]
 
 
 def _muon_reference(model):
@@ -152,7 +208,7 @@ def _fsdp_full(module) -> dict:
     return module.full_state_dict(all_ranks=True)
 
 
-def _fsdp2(model, group):
+def _fsdp2(model, group, optimizer: OptimizerSpec = ADAMW):
     from torch.distributed.fsdp import fully_shard
     mesh = group.device_mesh
     # FSDP2 refuses 0-D parameters ("change it to a 1-D tensor with numel 1", its own advice): so be it, and
@@ -163,11 +219,10 @@ def _fsdp2(model, group):
             if p is not None and p.ndim == 0:
                 setattr(m, attr, nn.Parameter(p.detach().reshape(1), requires_grad=p.requires_grad))
                 model.parity_scalars.append(f"{mname}.{attr}" if mname else attr)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model.aux, mesh=mesh)
+    for unit in _units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, _adamw(_trainable(model))
+    return model, optimizer.make(_trainable(model))
 
 
 def _fsdp2_full(module) -> dict:
@@ -179,34 +234,47 @@ def _fsdp2_full(module) -> dict:
     return out
 
 
-def _torch_ddp(model, group):
+def _torch_ddp(model, group, optimizer: OptimizerSpec = ADAMW):
     from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(model, process_group=group.pg, find_unused_parameters=True), _adamw(_trainable(model))
+    return (DistributedDataParallel(model, process_group=group.pg, find_unused_parameters=True),
+            optimizer.make(_trainable(model)))
+
+
+def _zero(model, group, optimizer: OptimizerSpec, stage: int):
+    """ZeRO with the harness's optimizer: nanodist's DistAdamW for AdamW (stage 1 or 2), ZeroOptimizer (stage 1)
+    over any other torch optimizer; stage 2 is DistAdamW's or DistMuon's only."""
+    from .optim import DistAdamW, ZeroOptimizer
+    if optimizer.cls is torch.optim.AdamW:
+        return model, DistAdamW(model.parameters(), group=group, zero_stage=stage, **optimizer.kwargs)
+    if stage == 1:
+        return model, ZeroOptimizer(model.parameters(), optimizer.cls, group=group, module=model, **optimizer.kwargs)
+    raise ValueError(f"parity: ZeRO-2 here is DistAdamW (or DistMuon): not {optimizer.cls.__name__}; use zero1-any")
 
 
 def _register_builtins() -> None:
     from .ddp import DDP
     from .fsdp import FSDP
-    from .optim import DistAdamW, ZeroOptimizer
+    from .optim import ZeroOptimizer
 
-    register(Setup("one-process", lambda m, g: (m, _adamw(_trainable(m))), _replicated))
-    register(Setup("ddp", lambda m, g: (DDP(m, group=g, find_unused_parameters=True),
-                                        _adamw(_trainable(m))), _replicated))
-    register(Setup("torch-ddp", _torch_ddp, _replicated, needs_group=True))
+    register(Setup("one-process", lambda m, g, o: (m, o.make(_trainable(m))), _replicated, takes_optimizer=True,
+                   grads=_replicated_grads))
+    register(Setup("ddp", lambda m, g, o: (DDP(m, group=g, find_unused_parameters=True), o.make(_trainable(m))),
+                   _replicated, takes_optimizer=True, grads=_replicated_grads))
+    register(Setup("torch-ddp", _torch_ddp, _replicated, needs_group=True, takes_optimizer=True,
+                   grads=_replicated_grads))
     # The sharded optimizers get every parameter, frozen ones included, as torch.optim.AdamW does.
-    register(Setup("zero1", lambda m, g: (m, DistAdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, group=g,
-                                                       zero_stage=1)), _replicated))
-    register(Setup("zero2", lambda m, g: (m, DistAdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, group=g)),
-                   _replicated))
-    register(Setup("zero1-any", lambda m, g: (m, ZeroOptimizer(m.parameters(), torch.optim.AdamW, group=g, module=m,
-                                                               lr=LR, weight_decay=WEIGHT_DECAY)), _replicated))
+    register(Setup("zero1", lambda m, g, o: _zero(m, g, o, 1), _replicated, takes_optimizer=True))
+    register(Setup("zero2", lambda m, g, o: _zero(m, g, o, 2), _replicated, takes_optimizer=True))
+    register(Setup("zero1-any", lambda m, g, o: (m, ZeroOptimizer(m.parameters(), o.cls, group=g, module=m,
+                                                                  **o.kwargs)), _replicated, takes_optimizer=True))
     register(Setup("muon", lambda m, g: (m, _muon_sharded(m, g)), _replicated, reference="muon"))
-    register(Setup("fsdp", lambda m, g: _fsdp_with_adamw(FSDP(m, units=[*m.blocks, m.aux], group=g)), _fsdp_full))
-    register(Setup("fsdp2", _fsdp2, _fsdp2_full, needs_group=True))
+    register(Setup("fsdp", lambda m, g, o: _fsdp_with(FSDP(m, units=_units(m), group=g), o), _fsdp_full,
+                   takes_optimizer=True))
+    register(Setup("fsdp2", _fsdp2, _fsdp2_full, needs_group=True, takes_optimizer=True, grads=_fsdp2_grads))
 
 
-def _fsdp_with_adamw(fsdp):
-    return fsdp, _adamw([p for p in fsdp.parameters() if p.requires_grad])
+def _fsdp_with(fsdp, optimizer: OptimizerSpec):
+    return fsdp, optimizer.make([p for p in fsdp.parameters() if p.requires_grad])
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -216,7 +284,7 @@ def train(setup: str | Setup, steps: int = 4, group=None, model_fn: Callable = U
     Returns {"losses": the mean loss over ranks per step, "params": every parameter whole, by name}."""
     s = SETUPS[setup] if isinstance(setup, str) else setup
     g = Group.resolve(group)
-    module, opt = s.build(model_fn(), g)
+    module, opt = s.make(model_fn(), g)
     losses = []
     for step in range(steps):
         x, y = batch(step, g.rank, g.size)
@@ -288,6 +356,144 @@ def compare(setups, steps: int = 4, group=None, model_fn: Callable = UserModel) 
                      "frozen_moved": max((float((got["params"][n] - init[n]).abs().max()) for n in frozen),
                                          default=0.0)}
     return out
+
+
+# ----------------------------------------------------------------------------- the harness: where does it leave?
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a set-up may stray from one process before the harness calls it a divergence, per quantity. fp32
+    sums taken in another order (per rank, then across ranks) stay far below: at most 1.3e-6 of the training's
+    movement in the parameters here (tests/test_parity.py), ~1e-7 in losses and norms."""
+
+    loss: float = 1e-5  # relative to one process's loss at that step
+    grad_norm: float = 1e-5  # relative to one process's global gradient norm
+    grad: float = 1e-4  # of the largest |element| of that gradient in one process
+    param: float = 1e-4  # of the largest distance training has moved any parameter from its start (`deviation`)
+
+
+def _steps(setup: Setup | None, steps: int, group, model_fn, batches, optimizer) -> list[dict]:
+    """Train for `steps` steps; per step: the loss (mean over ranks), the global gradient norm, every averaged
+    gradient whole (where the set-up holds them after backward; else None) and every parameter whole after the
+    step. setup None: one process on the whole batch (no collective)."""
+    from .parallel import gradient_sync
+    g = Group.resolve(group) if setup is not None else None
+    rank, world = (g.rank, g.size) if g is not None else (0, 1)
+    model = model_fn()
+    if setup is None:
+        module, opt = model, optimizer.make(_trainable(model))
+        sync, grads_of, full = None, _replicated_grads, _replicated
+    else:
+        module, opt = setup.make(model, g, optimizer if setup.takes_optimizer else None)
+        sync, grads_of, full = gradient_sync(module, opt, g), setup.grads, setup.full
+    rows = []
+    for step in range(steps):
+        x, y = batches(step, rank, world)
+        loss = module(x, y)[1]
+        loss.backward()
+        grads = grads_of(module) if grads_of is not None else None
+        if sync is None:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], math.inf)
+        else:
+            norm = sync.clip_grad_norm_(math.inf)  # collective where the gradient is sharded; clips nothing
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean, group=g.pg)
+            mean /= world
+        rows.append({"loss": float(mean), "grad_norm": float(norm), "grads": grads, "params": full(module)})
+    return rows
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def first_divergence(got: list[dict], want: list[dict], init: dict, tol: Tolerance = Tolerance()) -> dict:
+    """Compare a set-up's steps with one process's, step by step and, within a step, in the order they happen
+    (loss, gradients, gradient norm, parameters after the update). Returns {"diverged": None, or the first
+    {"step", "quantity", "tensor", "deviation", "tolerance"} beyond its tolerance; "worst": per quantity, the
+    largest deviation seen and where}."""
+    worst: dict = {}
+    first = None
+
+    def see(step, quantity, tensor, dev, limit):
+        nonlocal first
+        if quantity not in worst or dev > worst[quantity]["deviation"]:
+            worst[quantity] = {"deviation": dev, "step": step, "tensor": tensor}
+        if first is None and dev > limit:
+            first = {"step": step, "quantity": quantity, "tensor": tensor, "deviation": dev, "tolerance": limit}
+
+    for step, (a, b) in enumerate(zip(got, want)):
+        see(step, "loss", None, _relative(a["loss"], b["loss"]), tol.loss)
+        if a["grads"] is not None:
+            if set(a["grads"]) != set(b["grads"]):
+                missing = sorted(set(a["grads"]) ^ set(b["grads"]))
+                see(step, "gradient", missing[0], math.inf, tol.grad)  # a gradient one side has, the other not
+            else:
+                dev, where = max(((float((a["grads"][n] - w).abs().max()) / max(float(w.abs().max()), 1e-30), n)
+                                  for n, w in b["grads"].items()), default=(0.0, None))
+                see(step, "gradient", where, dev, tol.grad)
+        see(step, "gradient norm", None, _relative(a["grad_norm"], b["grad_norm"]), tol.grad_norm)
+        moved = max(float((b["params"][n].float() - init[n].float()).abs().max()) for n in b["params"])
+        dev, where = max(((float((a["params"][n].float() - w.float()).abs().max()) / max(moved, 1e-30), n)
+                          for n, w in b["params"].items()), default=(0.0, None))
+        see(step, "parameters", where, dev, tol.param)
+    return {"diverged": first, "worst": worst}
+
+
+def harness(setups=("ddp", "torch-ddp", "zero1", "zero2", "fsdp", "fsdp2"), *, model_fn: Callable = UserModel,
+            batches: Callable = batch, optimizer: OptimizerSpec = ADAMW, steps: int = 4, tol: Tolerance = Tolerance(),
+            group=None) -> dict:
+    """The parity harness for your model: train it one process on the whole batch and under each set-up for
+    `steps` steps, and report, per set-up, the first step and quantity (loss, gradient, gradient norm, parameters)
+    and tensor where it leaves one process beyond `tol` -- or that it never did.
+
+    model_fn() -> a fresh model (the same weights on every call: seed inside it), whose forward(x, y) returns
+    (output, loss) with the loss a mean over the batch; batches(step, rank, world_size) -> (x, y), the rank's
+    equal share of the step's global batch (world_size 1: all of it); optimizer: the class and arguments every
+    set-up trains with. A collective: call it on every rank (after nanodist.init(); torch's set-ups need a
+    process group). Set-ups that cannot train with the optimizer are reported as skipped, with why."""
+    one = {"adamw": None}
+    out = {}
+    for name in setups:
+        s = SETUPS[name]
+        if s.needs_group and not dist.is_initialized():
+            out[name] = {"skipped": "needs a process group"}
+            continue
+        try:
+            got = _steps(s, steps, group, model_fn, batches, optimizer)
+        except ValueError as e:  # this set-up cannot train with this optimizer
+            out[name] = {"skipped": str(e)}
+            continue
+        if one.get(s.reference) is None:
+            ref_opt = optimizer if s.reference == "adamw" else OptimizerSpec(type(_muon_reference(model_fn())), {})
+            one[s.reference] = _steps(None, steps, None, model_fn, batches, ref_opt)
+        init = _replicated(model_fn())
+        out[name] = {**first_divergence(got, one[s.reference], init, tol), "steps": steps,
+                     "grads_compared": s.grads is not None}
+    return out
+
+
+def print_harness(report: dict, file=None) -> None:
+    """One line per set-up: where it first left one process, or that it never did (with its largest deviations)."""
+    for name, r in report.items():
+        if "skipped" in r:
+            print(f"{name:10s} skipped: {r['skipped']}", file=file)
+            continue
+        d = r["diverged"]
+        if d is None:
+            worst = ", ".join(f"{q} {w['deviation']:.1e}" for q, w in r["worst"].items())
+            print(f"{name:10s} no divergence in {r['steps']} steps (largest: {worst})"
+                  + ("" if r["grads_compared"] else "; its gradients are sharded: not compared"), file=file)
+        else:
+            what = {"loss": "the loss is off by {d} of itself",
+                    "gradient": "the gradient of {t} is off by {d} of its largest element",
+                    "gradient norm": "the gradient norm is off by {d} of itself",
+                    "parameters": "parameter {t} is off by {d} of what training moved the parameters"}[d["quantity"]]
+            print(f"{name:10s} DIVERGES at step {d['step']}: " + what.format(t=d["tensor"], d=f"{d['deviation']:.1e}")
+                  + f" (tolerance {d['tolerance']:.0e})", file=file)
 
 
 def print_report(report: dict, file=None) -> None:

@@ -2,6 +2,8 @@
 DistMuon, nanodist.FSDP, and torch's DDP and FSDP2 beside them, on a model with a frozen block, a frozen bias
 beside trainable weights, layer norms, bare and 0-D nn.Parameters, a tied output layer, buffers, and a branch that
 gets no gradient every other step -- at world sizes 1, 2 and 3 (one spawn per world size)."""
+import io
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def _planted(model, group):
         for p in model.parameters():
             if p.requires_grad:
                 p.register_hook(lambda g: g * 1.001)
-    return parity.SETUPS["ddp"].build(model, group)
+    return parity.SETUPS["ddp"].make(model, group)
 
 
 def compare_worker(rank, W):
@@ -74,3 +76,96 @@ def test_the_model_has_what_users_models_have():
     assert m.aux.weight.grad is None
     m(x, y)[1].backward()
     assert m.aux.weight.grad is not None
+
+
+# ----------------------------------------------------------------------------- the harness (Chapter 7)
+
+class ConvNet(torch.nn.Module):
+    """Another family: a small image classifier (convolutions, a group norm -- per sample, so data parallelism is
+    exact; a batch norm would need SyncBatchNorm -- and a linear head), forward(x, y) -> (logits, loss)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(2, 8)
+        self.conv2 = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        h = torch.relu(self.conv2(torch.relu(self.norm(self.conv1(x)))))
+        logits = self.head(h.mean(dim=(2, 3)))
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+def images(step, rank, world):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(12, 3, 8, 8, generator=g), torch.randint(0, 10, (12,), generator=g)
+    rows = 12 // world
+    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+
+def harness_worker(rank, W):
+    import nanodist.ddp
+    import nanodist.optim.adamw as nd_adamw
+    out = {"user": parity.harness(), "conv": parity.harness(
+        model_fn=ConvNet, batches=images, optimizer=parity.OptimizerSpec(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+        setups=("ddp", "torch-ddp", "zero1", "zero2", "fsdp", "fsdp2"))}
+    if W == 1:
+        return out
+    # Three bugs the harness was not written against, each planted on rank 1 by monkeypatching:
+    # 1. DDP's bucket all-reduce sends a gradient 0.1 % too large
+    real_all_reduce = nanodist.ddp.all_reduce_sum
+
+    def loud(buffer, group, what="all-reduce"):
+        if rank == 1 and what.startswith("DDP all-reduce of bucket"):
+            buffer.mul_(1.001)
+        return real_all_reduce(buffer, group, what)
+    nanodist.ddp.all_reduce_sum = loud
+    out["loud-bucket"] = parity.harness(setups=("ddp",))
+    nanodist.ddp.all_reduce_sum = real_all_reduce
+    # 2. the data: rank 1 reads rank 0's rows (a shard index that ignores the rank)
+    out["same-rows"] = parity.harness(setups=("ddp",), batches=lambda s, r, w: parity.batch(s, 0, w))
+    # 3. ZeRO-2's update: rank 1 steps its shard with a learning rate 1 % too large
+    real = {k: getattr(nd_adamw, k) for k in ("update", "foreach_update", "fused_update")}
+    for k, fn in real.items():
+        setattr(nd_adamw, k, lambda group, items, fn=fn: fn({**group, "lr": group["lr"] * (1.01 if rank == 1 else 1)},
+                                                             items))
+    out["fast-shard"] = parity.harness(setups=("zero2", "ddp"))
+    for k, fn in real.items():
+        setattr(nd_adamw, k, fn)
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3])
+def harnessed(request):
+    return request.param, spawn(harness_worker, request.param, timeout=180)[0]
+
+
+def test_the_harness_finds_no_divergence_in_correct_set_ups_of_two_model_families(harnessed):
+    W, out = harnessed
+    for family in ("user", "conv"):
+        for name, r in out[family].items():
+            if name == "zero2" and family == "conv":  # SGD: ZeRO-2 here is DistAdamW's, and says so
+                assert "not SGD" in r["skipped"], r
+                continue
+            assert r.get("diverged", "skipped") is None, (W, family, name, r)
+            assert r["worst"]["parameters"]["deviation"] <= 1e-5 and r["worst"]["loss"]["deviation"] <= 1e-6
+    assert out["user"]["ddp"]["grads_compared"] and not out["user"]["zero2"]["grads_compared"]
+
+
+def test_the_harness_names_three_planted_bugs(harnessed):
+    W, out = harnessed
+    if W == 1:
+        pytest.skip("one rank has no other rank to get wrong")
+    d = out["loud-bucket"]["ddp"]["diverged"]  # in the gradient, at the first step, before any update
+    assert (d["step"], d["quantity"]) == (0, "gradient") and d["tensor"] and d["deviation"] > 2e-4, d
+    d = out["same-rows"]["ddp"]["diverged"]  # in the loss itself, at the first step
+    assert (d["step"], d["quantity"], d["tensor"]) == (0, "loss", None), d
+    d = out["fast-shard"]["zero2"]["diverged"]  # gradients fine: the parameters after the first update
+    assert (d["step"], d["quantity"]) == (0, "parameters") and d["tensor"], d
+    assert out["fast-shard"]["ddp"]["diverged"] is None  # torch's AdamW under DDP is not the patched update
+    lines = io.StringIO()
+    parity.print_harness(out["fast-shard"], file=lines)
+    assert f"zero2      DIVERGES at step 0: parameter {d['tensor']} is off by" in lines.getvalue()
+    assert "ddp        no divergence in 4 steps" in lines.getvalue()
