@@ -70,7 +70,113 @@ class LaunchError(RuntimeError):
 
 
 class LaunchTimeout(LaunchError):
-    """The job ran past its timeout and was killed, with every process it started."""
+    """The job ran past its timeout and was killed, with every process it started. Before the kill, every rank
+    that called nanodist.init() printed every thread's Python stack (faulthandler, on SIGUSR1): the message
+    says where each rank's main thread was, and .output holds the whole dumps."""
+
+
+STACK_DUMP_S = 2.0  # how long a timed-out launch waits for its ranks' stack dumps before it kills them
+_THREAD_HEAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+def _workers(procs: list[psutil.Process]) -> dict[int, psutil.Process]:
+    """The ranks among a launch's processes, by global rank: those torchrun started (RANK and LOCAL_RANK set)."""
+    out = {}
+    for p in procs:
+        try:
+            env = p.environ()
+            if "LOCAL_RANK" in env and "RANK" in env and p.is_running():
+                out[int(env["RANK"])] = p
+        except (psutil.Error, ValueError):
+            continue
+    return out
+
+
+def _real_rank(p: psutil.Process) -> psutil.Process:
+    """The process that runs a rank: a warm rank's client (nanodist/rank_client.py) stands in for a process the
+    agent server forked, and wrote down which (signals reach it through the client; py-spy must read it)."""
+    try:
+        server = p.environ().get("NANODIST_RANK_SERVER")
+        if server:
+            pid = int(Path(os.path.dirname(server), f"rank-of-{p.pid}").read_text())
+            return psutil.Process(pid)
+    except (psutil.Error, OSError, ValueError):
+        pass
+    return p
+
+
+def _dump_stacks(procs: list[psutil.Process], lines: queue.Queue, output: list[str]) -> str:
+    """Ask every rank for its threads' stacks (SIGUSR1: faulthandler, which nanodist.init() registers), collect
+    what they print for STACK_DUMP_S, and say where each rank's main thread was (its innermost frames)."""
+    ranks = _workers(procs)
+    for p in ranks.values():
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            pass
+    if not ranks:
+        return ""
+    first = len(output)
+    end = time.monotonic() + STACK_DUMP_S
+    while time.monotonic() < end:
+        try:
+            line = lines.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if line is not None:
+            output.append(line)
+    where = stacks_from_output(output[first:])
+    spied = _py_spy(ranks, output)
+    said = [f"  rank {r}: " + (" <- ".join(where[r][:4]) if r in where else "(no stack: it had not called "
+                                                                              "nanodist.init(), or did not answer)")
+            for r in sorted(ranks)]
+    return ("\nWhere each rank was (its main thread, innermost frame first; every thread's stack is in .output"
+            + (", and py-spy's dump of each rank" if spied else "") + "):\n" + "\n".join(said))
+
+
+def _py_spy(ranks: dict[int, psutil.Process], output: list[str]) -> bool:
+    """`py-spy dump` of every rank, into the output as [rankN]:py-spy: lines, where py-spy is installed (a PyPI
+    wheel; it reads another process's memory, so it needs ptrace rights: root, or the same user with
+    kernel.yama.ptrace_scope 0). Returns whether any dump came back."""
+    beside = Path(sys.executable).parent / "py-spy"
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
+    if spy is None:
+        return False
+    procs = {r: subprocess.Popen([spy, "dump", "--pid", str(_real_rank(p).pid)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for r, p in sorted(ranks.items())}
+    got = False
+    for r, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        got |= proc.returncode == 0
+        output.extend(f"[rank{r}]:py-spy: {line}" for line in out.splitlines())
+    return got
+
+
+def stacks_from_output(lines: list[str]) -> dict[int, list[str]]:
+    """From faulthandler dumps in a launch's output ([rankN]:-prefixed lines): each rank's main thread (the one
+    faulthandler calls "Current thread"; else the first it lists), as "file:line function", innermost first."""
+    threads: dict[int, list[list[str]]] = {}
+    main: dict[int, int] = {}
+    for line in lines:
+        m = _PREFIX.match(line)
+        if m is None:
+            continue
+        rank, text = int(m.group(1)), line[m.end():]
+        head = _THREAD_HEAD.search(text)
+        if head:
+            threads.setdefault(rank, []).append([])
+            if head.group(1) == "Current thread":
+                main[rank] = len(threads[rank]) - 1
+            continue
+        frame = _FRAME.search(text)
+        if frame and threads.get(rank):
+            threads[rank][-1].append(f"{os.path.basename(frame.group(1))}:{frame.group(2)} {frame.group(3)}")
+    return {r: ts[main.get(r, 0)] for r, ts in threads.items() if ts and ts[main.get(r, 0)]}
 
 
 @dataclass
@@ -509,12 +615,14 @@ def _launch_once(script: Path, nproc: int, args: list, timeout: float, nnodes: i
         while open_streams:
             if time.monotonic() - start > timeout:
                 track()
+                before = len(output)
+                stacks = _dump_stacks(list(seen.values()), lines, output)
                 killed = _kill_tree(list(seen.values()))
-                tail = "\n".join(output[-20:])
+                tail = "\n".join(output[max(0, before - 20):before])
                 raise LaunchTimeout(
                     f"{script.name} did not finish within {timeout:g} s and was stopped ({killed} processes "
                     f"killed). A rank may be stuck in a collective that another rank never called, or the "
-                    f"job needs a larger timeout=. Last output:\n{tail}", output="\n".join(output))
+                    f"job needs a larger timeout=. Last output:\n{tail}" + stacks, output="\n".join(output))
             if time.monotonic() - last_track > 0.5:
                 track()
                 last_track = time.monotonic()

@@ -240,6 +240,20 @@ def _timeout_s(timeout: float | None) -> float:
 
 # ----------------------------------------------------------------------------- init / shutdown
 
+def stack_dumps_on_sigusr1() -> bool:
+    """`kill -USR1 <pid>` then prints every thread's Python stack to stderr (faulthandler), and the process goes
+    on: what a timed-out nanodist.launch asks of each rank before it kills them (Chapter 7: which rank hangs,
+    and where). A program's own SIGUSR1 handler is left alone. Returns whether it is registered."""
+    import faulthandler
+    import signal
+    if not hasattr(signal, "SIGUSR1"):  # Windows
+        return False
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        return False
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    return True
+
+
 def init(backend: str | None = None, device: str | torch.device | None = None, seed: int = 0,
          timeout: float | None = None) -> DistInfo:
     """Join the run that torchrun started (or become a world of one) and return who we are.
@@ -258,6 +272,7 @@ def init(backend: str | None = None, device: str | torch.device | None = None, s
         return _info
     if sys.excepthook is sys.__excepthook__:  # a script's own hook (or IPython's) is left alone
         sys.excepthook = _one_line_for_config_errors
+    stack_dumps_on_sigusr1()
     timeout_s = _timeout_s(timeout)
     if dist.is_initialized():  # someone else made the group: describe it, do not own it
         _info = _describe_group(device, seed)

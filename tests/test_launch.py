@@ -1,5 +1,6 @@
 """nanodist.launch: results back, failures carry the failing rank's traceback, and nothing is left running."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,38 @@ def test_timeout_kills_every_process(results_dir, tmp_path):
     assert len(pids) == 4  # two workers, each with a grandchild of its own
     time.sleep(0.5)
     assert [p for p in pids if alive(p)] == []
+
+
+def test_a_timeout_says_where_each_rank_was(tmp_path):
+    """Before the kill, every rank dumps its threads' stacks (faulthandler on SIGUSR1, registered by
+    nanodist.init); the message names each rank's innermost frames: the one stuck in Python, the others in the
+    barrier it never reached. py-spy's dumps join them where py-spy can read the ranks."""
+    from nanodist.launch import stacks_from_output
+    t0 = time.monotonic()
+    with pytest.raises(nd.LaunchTimeout) as e:
+        nd.launch(SCRIPTS / "hang_one_rank.py", nproc=3, timeout=10, echo=False, env={"NANODIST_TIMEOUT": "120"})
+    assert time.monotonic() - t0 < 10 + 2 + 10 + 10  # the timeout, the dumps, py-spy, the kill
+    msg = str(e.value)
+    assert re.search(r"rank 1: hang_one_rank\.py:\d+ stuck_in_python <- hang_one_rank\.py:\d+ <module>", msg), msg
+    for r in (0, 2):
+        assert re.search(rf"rank {r}: distributed_c10d\.py:\d+ barrier", msg), msg
+    where = stacks_from_output(e.value.output.splitlines())
+    assert sorted(where) == [0, 1, 2] and where[1][0].endswith("stuck_in_python")
+    if "py-spy's dump" in msg:  # installed with the test extras; it needs ptrace rights
+        assert re.search(r"\[rank1\]:py-spy: .*stuck_in_python", e.value.output), e.value.output[-3000:]
+
+
+def test_stacks_are_read_from_faulthandlers_dumps():
+    from nanodist.launch import stacks_from_output
+    lines = ["[rank0]:Thread 0x00007f01 (most recent call first):",
+             '[rank0]:  File "/x/threading.py", line 359 in wait',
+             "[rank0]:Current thread 0x00007f02 (most recent call first):",
+             '[rank0]:  File "/x/train.py", line 10 in step',
+             '[rank0]:  File "/x/train.py", line 20 in <module>',
+             "[rank1]:Thread 0x00007f03 (most recent call first):",
+             '[rank1]:  File "/x/h.py", line 5 in stuck',
+             "[rank2]:nothing of faulthandler's"]
+    assert stacks_from_output(lines) == {0: ["train.py:10 step", "train.py:20 <module>"], 1: ["h.py:5 stuck"]}
 
 
 def test_keyboard_interrupt_kills_every_process(tmp_path):
