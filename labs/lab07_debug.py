@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:  # run as a script: python labs/lab07_debug.py
 import torch  # noqa: E402
 
 import nanodist as nd  # noqa: E402
-from nanodist import check, faults, parity  # noqa: E402
+from nanodist import check, faults, flight, parity  # noqa: E402
 from nanodist.results import Recorder  # noqa: E402
 
 TIMEOUT_S = 5  # the collective timeout of a faulty run: a hang is over well within the demo's 15 s
@@ -180,24 +180,27 @@ def run_no_sync_forward(bad: int) -> None:
     model = parity.UserModel(layers=2)
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        for micro in range(2):
-            x, y = parity.batch(2 * step + micro, group.rank, group.size)
-            if micro == 1:  # the last micro-step synchronises
-                ddp(x, y)[1].backward()
-            elif group.rank == bad:  # the bug: the forward outside no_sync()
-                loss = ddp(x, y)[1]
-                with ddp.no_sync():
-                    loss.backward()
-            else:
-                with ddp.no_sync():
+    try:
+        for step in range(STEPS):
+            for micro in range(2):
+                x, y = parity.batch(2 * step + micro, group.rank, group.size)
+                if micro == 1:  # the last micro-step synchronises
                     ddp(x, y)[1].backward()
-        opt.step()
-        opt.zero_grad()
-    # the end of the run: every rank should arrive here with nothing in flight; rank 0 waits for each and names
-    # any that does not come (torch 2.13's TORCH_DISTRIBUTED_DEBUG=DETAIL would name the odd collective, but
-    # with torch's DDP on gloo it crashes the ranks at DDP's construction)
-    torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT_S), wait_all_ranks=True)
+                elif group.rank == bad:  # the bug: the forward outside no_sync()
+                    loss = ddp(x, y)[1]
+                    with ddp.no_sync():
+                        loss.backward()
+                else:
+                    with ddp.no_sync():
+                        ddp(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        # the end of the run: every rank should arrive with nothing in flight; rank 0 waits for each and names any
+        # that does not come (torch 2.13's TORCH_DISTRIBUTED_DEBUG=DETAIL would name the odd collective, but with
+        # torch's DDP on gloo it crashes the ranks at DDP's construction)
+        torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT_S), wait_all_ranks=True)
+    finally:  # whatever happened: what torch's flight recorder holds, the collectives this rank called
+        print(flight.summary(group.rank), flush=True)
 
 
 def run_memory_blowup(bad: int) -> None:
@@ -352,9 +355,14 @@ def diagnose_no_sync_forward(output: str):
         evidence = _line(output, "successfully reached monitoredBarrier")
     if rank is None:
         return None
+    # torch's flight recorder (TORCH_FR_BUFFER_SIZE): how many collectives each rank called
+    called = {int(r): int(n) for r, n in re.findall(r"flight recorder: rank (\d+) called (\d+) collectives", output)}
+    count = f" (the flight recorder: it called {called[rank]} collectives, the others " \
+            f"{', '.join(str(n) for r, n in sorted(called.items()) if r != rank)})" \
+        if rank in called and len(called) > 1 else ""
     return rank, "never reached the final barrier: it was still in an all-reduce the others had finished -- it ran " \
                  "more all-reduces than they did (its backward synchronised in a micro-step theirs kept local: a " \
-                 "forward outside no_sync())", evidence
+                 "forward outside no_sync())" + count, evidence
 
 
 def diagnose_memory_blowup(output: str):
@@ -394,7 +402,7 @@ FAULTS = {f.name: f for f in (
     Fault("rank-local-metric", "a rank logs its own loss, not the average over the ranks", 3,
           run_rank_local_metric, diagnose_rank_local_metric),
     Fault("no-sync-forward", "a rank's forward is outside no_sync() (torch DDP, gradient accumulation)", 3,
-          run_no_sync_forward, diagnose_no_sync_forward),
+          run_no_sync_forward, diagnose_no_sync_forward, {"TORCH_FR_BUFFER_SIZE": "2000"}),
     Fault("memory-blowup", "a rank keeps every evaluation's autograd graph alive (no no_grad, total += loss)", 2,
           run_memory_blowup, diagnose_memory_blowup),
 )}

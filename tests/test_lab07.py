@@ -59,6 +59,10 @@ def test_every_fault_is_diagnosed_on_the_rank_it_was_planted_on(tmp_path):
         assert re.search(EVIDENCE[fault].format(r=bad), row["evidence"]), (seed, row)
         assert row["seconds"] <= (15 if fault == "hang" else 30) + 5, row  # + starting the ranks
         assert f"diagnosis: rank {bad}: {WHAT[fault]}" in out.stdout
+    # torch's flight recorder on gloo backs the no_sync diagnosis: the rank called more collectives than the others
+    called = re.search(r"the flight recorder: it called (\d+) collectives, the others (\d+), (\d+)\)",
+                       rows["no-sync-forward"]["diagnosis"])
+    assert called and int(called.group(1)) > int(called.group(2)) == int(called.group(3)), rows["no-sync-forward"]
     # the port: no rank, the port torchrun could not take
     row = rows["port-in-use"]
     assert row["planted_rank"] is row["diagnosed_rank"] is None
@@ -112,6 +116,11 @@ def test_the_diagnoses_read_the_tools_not_the_labs_own_lines():
     heard = "Rank {r} successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0."
     assert lab.diagnose_no_sync_forward(heard.format(r=1) + "\n" + heard.format(r=2))[0] == 0
     assert lab.diagnose_no_sync_forward(heard.format(r=1)) is None  # one voice is not every other rank
+    # the flight recorder's counts join the barrier's verdict when every rank printed one
+    both = "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 5000 ms\n" + "\n".join(
+        f"flight recorder: rank {r} called {n} collectives; the last #{n} gloo:all_reduce" for r, n in ((0, 9), (1, 9),
+                                                                                                      (2, 11)))
+    assert lab.diagnose_no_sync_forward(both)[1].endswith("(the flight recorder: it called 11 collectives, the others 9, 9)")
     # memory: a steady climb on one rank against flat ones; noise of the same size on both is nobody
     steps = lambda r, per: "\n".join(f"memory: rank {r} step {s}: {100 + per * s:.1f} MiB" for s in range(8))  # noqa: E731
     assert lab.diagnose_memory_blowup(steps(0, 0.0) + "\n" + steps(1, 9.0))[0] == 1
@@ -128,3 +137,10 @@ def test_the_diagnoses_read_the_tools_not_the_labs_own_lines():
 def test_bad_input_is_a_clear_message(args, message, tmp_path):
     out = run_lab(args, tmp_path)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_flight_recorder_says_when_it_is_off(monkeypatch):
+    from nanodist import flight
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    assert not flight.enabled() and flight.entries() == []
+    assert "off (set TORCH_FR_BUFFER_SIZE before the process group is made)" in flight.summary(0)
