@@ -303,16 +303,23 @@ def diagnose_nan(output: str):
     return int(m.group(2)), f"its loss was NaN at step {m.group(1)}", _line(output, "non-finite values at step")
 
 
-def diagnose_desync(output: str):
-    tensor = re.search(r"out of sync across \d+ ranks: '([^']+)'", output)
+def _odd_copy(output: str, kind: str):
+    """nanodist.check's report of `kind` ("parameters", "values") out of sync: the rank whose copy differs from the
+    others' (which agree), and the tensor's name; None when no single rank stands out."""
+    tensor = re.search(rf"{kind} out of sync across \d+ ranks: '([^']+)'", output)
     groups = re.search(r"ranks with identical copies: ([^\n]*)", output)
     if tensor is None or groups is None:
         return None
     by_rank = {int(r): i for i, group in enumerate(groups.group(1).split(";")) for r in re.findall(r"\d+", group)}
     odd = _majority_odd_one(by_rank)
-    if odd is None:
+    return None if odd is None else (odd, tensor.group(1))
+
+
+def diagnose_desync(output: str):
+    found = _odd_copy(output, "parameters")
+    if found is None:
         return None
-    return odd, f"holds other values of {tensor.group(1)} than the others (initialised apart, never broadcast)", \
+    return found[0], f"holds other values of {found[1]} than the others (initialised apart, never broadcast)", \
         _line(output, "ranks with identical copies")
 
 
@@ -327,16 +334,11 @@ def diagnose_mismatch(output: str):
 
 
 def diagnose_rank_local_metric(output: str):
-    value = re.search(r"values out of sync across \d+ ranks: '([^']+)'", output)
-    groups = re.search(r"ranks with identical copies: ([^\n]*)", output)
-    if value is None or groups is None:
+    found = _odd_copy(output, "values")
+    if found is None:
         return None
-    by_rank = {int(r): i for i, group in enumerate(groups.group(1).split(";")) for r in re.findall(r"\d+", group)}
-    odd = _majority_odd_one(by_rank)
-    if odd is None:
-        return None
-    return odd, f"logs a rank-local value: {value.group(1)} differs from what the other ranks log (not averaged " \
-                f"over the ranks)", _line(output, "ranks with identical copies")
+    return found[0], f"logs a rank-local value: {found[1]} differs from what the other ranks log (not averaged " \
+                     f"over the ranks)", _line(output, "ranks with identical copies")
 
 
 def diagnose_no_sync_forward(output: str):

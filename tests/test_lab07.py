@@ -103,8 +103,8 @@ def test_the_diagnoses_read_the_tools_not_the_labs_own_lines():
     assert lab.diagnose_set_epoch("duplicated indices: 4 (ranks [0, 2]), 6 (ranks [0, 1])")[0] == 0
     # majorities: two ranks cannot say which of them is odd
     assert lab.diagnose_skip_backward("rank 0: waits in collective #3 (a) for\nrank 1: waits in collective #3 (b) for") is None
-    assert lab.diagnose_desync("out of sync across 3 ranks: 'w'\nranks with identical copies: ranks 0, 2; rank 1")[0] == 1
-    assert lab.diagnose_desync("out of sync across 2 ranks: 'w'\nranks with identical copies: rank 0; rank 1") is None
+    assert lab.diagnose_desync("parameters out of sync across 3 ranks: 'w'\nranks with identical copies: ranks 0, 2; rank 1")[0] == 1
+    assert lab.diagnose_desync("parameters out of sync across 2 ranks: 'w'\nranks with identical copies: rank 0; rank 1") is None
     # a logged value: the odd rank of three; parameters out of sync are not a logged value
     local = "values out of sync across 3 ranks: 'the logged loss at step 0' (shape ()) differs.\n" \
             "  ranks with identical copies: ranks 0, 1; rank 2"
