@@ -26,7 +26,8 @@ comes from the tools alone, and the results file records both, so a wrong diagno
   rank-local-metric  a rank logs its own loss, not    nanodist.check.assert_same_across_ranks on the logged
               the average over the ranks              value: the odd one out
   no-sync-forward  torch DDP, gradient accumulation:  torch.distributed.monitored_barrier at the end: the rank
-              a rank's forward outside no_sync()      still in an all-reduce the others finished
+              a rank's forward outside no_sync()      still in an all-reduce the others never called; torch's
+                                                      flight recorder: it called more collectives
   memory-blowup  a rank's evaluation keeps its graph  each rank's memory after each step
               alive (no no_grad, total += loss)       (nanodist.memory.process_memory): the one that grows
 
@@ -362,7 +363,7 @@ def diagnose_no_sync_forward(output: str):
     count = f" (the flight recorder: it called {called[rank]} collectives, the others " \
             f"{', '.join(str(n) for r, n in sorted(called.items()) if r != rank)})" \
         if rank in called and len(called) > 1 else ""
-    return rank, "never reached the final barrier: it was still in an all-reduce the others had finished -- it ran " \
+    return rank, "never reached the final barrier: it was still in an all-reduce the others never called -- it ran " \
                  "more all-reduces than they did (its backward synchronised in a micro-step theirs kept local: a " \
                  "forward outside no_sync())" + count, evidence
 

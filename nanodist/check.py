@@ -239,7 +239,13 @@ def assert_same_across_ranks(value, name: str, *, atol: float = 0.0, group=None)
 
     Collective: call it on every rank, with the same `name`. The message names the value and groups the ranks
     that agree, as assert_params_in_sync does."""
-    t = value.detach() if torch.is_tensor(value) else torch.as_tensor(value)
+    if torch.is_tensor(value):
+        t = value.detach()
+    elif isinstance(value, (bool, int, float)):
+        t = torch.as_tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+    else:
+        raise TypeError(f"assert_same_across_ranks: {name!r} must be a tensor or a number, not "
+                        f"{type(value).__name__}")
     _assert_in_sync("values", [(name, t)], atol, Group.resolve(group))
 
 

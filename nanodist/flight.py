@@ -21,20 +21,37 @@ import torch
 
 
 def enabled() -> bool:
-    """Whether this process records (TORCH_FR_BUFFER_SIZE > 0 when the process group was made)."""
+    """Whether this process asked to record: TORCH_FR_BUFFER_SIZE > 0 in its environment (torch reads it when a
+    process group is made; set it before, as the environment of the launch)."""
     try:
         return int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")) > 0
     except ValueError:
         return False
 
 
-def entries() -> list[dict]:
-    """This rank's recorded collectives, oldest first: {"seq", "op", "sizes", "state"}; [] when not recording."""
+def entries(group=None) -> list[dict]:
+    """This rank's recorded collectives on `group` (default: the default group; every process group records into
+    the one buffer, each with its own sequence), oldest first: {"seq", "op", "sizes", "state"}. [] when not
+    recording, or where this torch has no recorder to read (it appeared in the 2.x series)."""
     if not enabled():
         return []
-    raw = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
-    return [{"seq": e.get("collective_seq_id"), "op": e.get("profiling_name"), "sizes": e.get("input_sizes"),
-             "state": e.get("state")} for e in raw.get("entries", [])]
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return []
+    raw = pickle.loads(dump(True, False, False))
+    name = None
+    if torch.distributed.is_initialized():
+        name = torch.distributed.distributed_c10d._get_process_group_name(group or torch.distributed.group.WORLD)
+    out = []
+    for e in raw.get("entries", []):
+        pg = e.get("process_group")
+        if name is not None and isinstance(pg, (list, tuple)) and pg and pg[0] != name:
+            continue
+        if e.get("collective_seq_id") is None or e.get("is_p2p"):  # point-to-point messages have their own count
+            continue
+        out.append({"seq": e["collective_seq_id"], "op": e.get("profiling_name"), "sizes": e.get("input_sizes"),
+                    "state": e.get("state")})
+    return out
 
 
 def summary(rank: int | None = None) -> str:
@@ -46,6 +63,6 @@ def summary(rank: int | None = None) -> str:
     got = entries()
     if not got:
         return f"flight recorder: rank {rank} called 0 collectives"
-    last = got[-1]
+    last = max(got, key=lambda e: e["seq"])
     return (f"flight recorder: rank {rank} called {last['seq']} collectives; the last #{last['seq']} {last['op']} "
             f"sizes {last['sizes']} ({last['state']})")

@@ -81,27 +81,51 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
 def _workers(procs: list[psutil.Process]) -> dict[int, psutil.Process]:
-    """The ranks among a launch's processes, by global rank: those torchrun started (RANK and LOCAL_RANK set)."""
-    out = {}
+    """The ranks among a launch's processes, by global rank: the processes torchrun started (RANK and LOCAL_RANK
+    set), not torchrun's agents (which have them too when the launching process did) and not what a rank started
+    itself (a DataLoader worker, a subprocess: they inherit the variables)."""
+    ranked = {}
     for p in procs:
         try:
             env = p.environ()
             if "LOCAL_RANK" in env and "RANK" in env and p.is_running():
-                out[int(env["RANK"])] = p
+                cmd = " ".join(p.cmdline())
+                if "torch.distributed.run" not in cmd and "torchrun" not in cmd:
+                    ranked[p.pid] = (int(env["RANK"]), p)
         except (psutil.Error, ValueError):
+            continue
+    out = {}
+    for rank, p in ranked.values():
+        try:
+            if p.ppid() not in ranked:  # the top-most process of its rank
+                out[rank] = p
+        except psutil.Error:
             continue
     return out
 
 
+def _catches_sigusr1(p: psutil.Process) -> bool:
+    """Whether a process has a handler for SIGUSR1 (Linux: /proc/<pid>/status SigCgt). One that has none would be
+    killed by it: a rank still importing torch, or a script that never called nanodist.init()."""
+    try:
+        with open(f"/proc/{p.pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        return bool(mask >> (signal.SIGUSR1 - 1) & 1)
+    except (OSError, StopIteration, ValueError, AttributeError):
+        return False
+
+
 def _real_rank(p: psutil.Process) -> psutil.Process:
     """The process that runs a rank: a warm rank's client (nanodist/rank_client.py) stands in for a process the
-    agent server forked, and wrote down which (signals reach it through the client; py-spy must read it)."""
+    agent server forked, and wrote down which (signals reach it through the client; py-spy must read it). The
+    note is trusted only if it names a child of an agent server started after the client."""
     try:
         server = p.environ().get("NANODIST_RANK_SERVER")
-        if server:
-            pid = int(Path(os.path.dirname(server), f"rank-of-{p.pid}").read_text())
-            return psutil.Process(pid)
-    except (psutil.Error, OSError, ValueError):
+        if server and "rank_client.py" in " ".join(p.cmdline()):
+            real = psutil.Process(int(Path(os.path.dirname(server), f"rank-of-{p.pid}").read_text()))
+            if "agent_server.py" in " ".join(real.parent().cmdline()) and real.create_time() >= p.create_time():
+                return real
+    except (psutil.Error, OSError, ValueError, AttributeError):
         pass
     return p
 
@@ -111,10 +135,12 @@ def _dump_stacks(procs: list[psutil.Process], lines: queue.Queue, output: list[s
     what they print for STACK_DUMP_S, and say where each rank's main thread was (its innermost frames)."""
     ranks = _workers(procs)
     for p in ranks.values():
-        try:
-            p.send_signal(signal.SIGUSR1)
-        except psutil.Error:
-            pass
+        # a warm rank's client passes SIGUSR1 on to the rank it stands for: that one must catch it
+        if _catches_sigusr1(p) and _catches_sigusr1(_real_rank(p)):
+            try:
+                p.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                pass
     if not ranks:
         return ""
     first = len(output)
@@ -129,7 +155,8 @@ def _dump_stacks(procs: list[psutil.Process], lines: queue.Queue, output: list[s
     where = stacks_from_output(output[first:])
     spied = _py_spy(ranks, output)
     said = [f"  rank {r}: " + (" <- ".join(where[r][:4]) if r in where else "(no stack: it had not called "
-                                                                              "nanodist.init(), or did not answer)")
+                                                                              "nanodist.init() -- not signalled -- or "
+                                                                              "did not answer)")
             for r in sorted(ranks)]
     return ("\nWhere each rank was (its main thread, innermost frame first; every thread's stack is in .output"
             + (", and py-spy's dump of each rank" if spied else "") + "):\n" + "\n".join(said))
@@ -143,8 +170,13 @@ def _py_spy(ranks: dict[int, psutil.Process], output: list[str]) -> bool:
     spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None:
         return False
-    procs = {r: subprocess.Popen([spy, "dump", "--pid", str(_real_rank(p).pid)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for r, p in sorted(ranks.items())}
+    procs = {}
+    for r, p in sorted(ranks.items()):
+        try:
+            procs[r] = subprocess.Popen([spy, "dump", "--pid", str(_real_rank(p).pid)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        except OSError:  # a py-spy that cannot run: faulthandler's dumps are what there is
+            return False
     got = False
     for r, proc in procs.items():
         try:
@@ -158,25 +190,29 @@ def _py_spy(ranks: dict[int, psutil.Process], output: list[str]) -> bool:
 
 
 def stacks_from_output(lines: list[str]) -> dict[int, list[str]]:
-    """From faulthandler dumps in a launch's output ([rankN]:-prefixed lines): each rank's main thread (the one
-    faulthandler calls "Current thread"; else the first it lists), as "file:line function", innermost first."""
+    """From faulthandler dumps in a launch's output ([rankN]:-prefixed lines): each rank's main thread, as
+    "file:line function", innermost first. The main thread is the one whose outermost frame is not a thread's
+    start (threading.py's _bootstrap): faulthandler's "Current thread" is whichever thread took the signal, and
+    CPython lists the threads newest first, so the main one last."""
     threads: dict[int, list[list[str]]] = {}
-    main: dict[int, int] = {}
     for line in lines:
         m = _PREFIX.match(line)
         if m is None:
             continue
         rank, text = int(m.group(1)), line[m.end():]
-        head = _THREAD_HEAD.search(text)
-        if head:
+        if _THREAD_HEAD.search(text):
             threads.setdefault(rank, []).append([])
-            if head.group(1) == "Current thread":
-                main[rank] = len(threads[rank]) - 1
             continue
         frame = _FRAME.search(text)
         if frame and threads.get(rank):
             threads[rank][-1].append(f"{os.path.basename(frame.group(1))}:{frame.group(2)} {frame.group(3)}")
-    return {r: ts[main.get(r, 0)] for r, ts in threads.items() if ts and ts[main.get(r, 0)]}
+    out = {}
+    for r, ts in threads.items():
+        main = [t for t in ts if t and not t[-1].endswith("_bootstrap")]
+        chosen = main[-1] if main else (ts[-1] if ts else [])
+        if chosen:
+            out[r] = chosen
+    return out
 
 
 @dataclass

@@ -123,6 +123,10 @@ class OptimizerSpec:
 ADAMW = OptimizerSpec()
 
 
+class SetupUnsupported(ValueError):
+    """A set-up cannot train with the optimizer asked for (raised when it is built, before any collective)."""
+
+
 @dataclass(frozen=True)
 class Setup:
     """How to train a model one way: build(model, group[, optimizer]) -> (module to call, optimizer); full(module)
@@ -143,8 +147,8 @@ class Setup:
         if self.takes_optimizer:
             return self.build(model, group, optimizer or ADAMW)
         if optimizer is not None and optimizer != ADAMW:
-            raise ValueError(f"parity: set-up {self.name!r} builds its own optimizer; it cannot train with "
-                             f"{optimizer.cls.__name__}")
+            raise SetupUnsupported(f"parity: set-up {self.name!r} builds its own optimizer; it cannot train with "
+                                   f"{optimizer.cls.__name__}")
         return self.build(model, group)
 
 
@@ -245,10 +249,15 @@ def _zero(model, group, optimizer: OptimizerSpec, stage: int):
     over any other torch optimizer; stage 2 is DistAdamW's or DistMuon's only."""
     from .optim import DistAdamW, ZeroOptimizer
     if optimizer.cls is torch.optim.AdamW:
+        extra = set(optimizer.kwargs) - {"lr", "betas", "eps", "weight_decay", "fused"}
+        if extra:
+            raise SetupUnsupported(f"parity: DistAdamW takes lr, betas, eps, weight_decay and fused, not "
+                                   f"{', '.join(sorted(extra))}")
         return model, DistAdamW(model.parameters(), group=group, zero_stage=stage, **optimizer.kwargs)
     if stage == 1:
         return model, ZeroOptimizer(model.parameters(), optimizer.cls, group=group, module=model, **optimizer.kwargs)
-    raise ValueError(f"parity: ZeRO-2 here is DistAdamW (or DistMuon): not {optimizer.cls.__name__}; use zero1-any")
+    raise SetupUnsupported(f"parity: ZeRO-2 here is DistAdamW (or DistMuon): not {optimizer.cls.__name__}; use "
+                           f"zero1-any")
 
 
 def _register_builtins() -> None:
@@ -372,19 +381,21 @@ class Tolerance:
     param: float = 1e-4  # of the largest distance training has moved any parameter from its start (`deviation`)
 
 
-def _steps(setup: Setup | None, steps: int, group, model_fn, batches, optimizer) -> list[dict]:
+def _steps(setup: Setup | None, steps: int, group, model_fn, batches, optimizer, reference: str = "adamw") -> list[dict]:
     """Train for `steps` steps; per step: the loss (mean over ranks), the global gradient norm, every averaged
     gradient whole (where the set-up holds them after backward; else None) and every parameter whole after the
-    step. setup None: one process on the whole batch (no collective)."""
+    step. setup None: one process on the whole batch (no collective), with `optimizer`, or Muon for a "muon"
+    reference."""
     from .parallel import gradient_sync
     g = Group.resolve(group) if setup is not None else None
     rank, world = (g.rank, g.size) if g is not None else (0, 1)
     model = model_fn()
     if setup is None:
-        module, opt = model, optimizer.make(_trainable(model))
+        module = model
+        opt = _muon_reference(model) if reference == "muon" else optimizer.make(_trainable(model))
         sync, grads_of, full = None, _replicated_grads, _replicated
     else:
-        module, opt = setup.make(model, g, optimizer if setup.takes_optimizer else None)
+        module, opt = setup.make(model, g, optimizer)
         sync, grads_of, full = gradient_sync(module, opt, g), setup.grads, setup.full
     rows = []
     for step in range(steps):
@@ -432,7 +443,11 @@ def first_divergence(got: list[dict], want: list[dict], init: dict, tol: Toleran
                 missing = sorted(set(a["grads"]) ^ set(b["grads"]))
                 see(step, "gradient", missing[0], math.inf, tol.grad)  # a gradient one side has, the other not
             else:
-                dev, where = max(((float((a["grads"][n] - w).abs().max()) / max(float(w.abs().max()), 1e-30), n)
+                # each gradient against its own scale, floored at a thousandth of the step's largest (a gradient
+                # that is zero in one process must be zero here too, within that floor)
+                top = max((float(w.abs().max()) for w in b["grads"].values()), default=0.0)
+                dev, where = max(((float((a["grads"][n] - w).abs().max()) / max(float(w.abs().max()), 1e-3 * top,
+                                                                              1e-30), n)
                                   for n, w in b["grads"].items()), default=(0.0, None))
                 see(step, "gradient", where, dev, tol.grad)
         see(step, "gradient norm", None, _relative(a["grad_norm"], b["grad_norm"]), tol.grad_norm)
@@ -454,8 +469,9 @@ def harness(setups=("ddp", "torch-ddp", "zero1", "zero2", "fsdp", "fsdp2"), *, m
     (output, loss) with the loss a mean over the batch; batches(step, rank, world_size) -> (x, y), the rank's
     equal share of the step's global batch (world_size 1: all of it); optimizer: the class and arguments every
     set-up trains with. A collective: call it on every rank (after nanodist.init(); torch's set-ups need a
-    process group). Set-ups that cannot train with the optimizer are reported as skipped, with why."""
-    one = {"adamw": None}
+    process group). Set-ups that cannot train with the optimizer are reported as skipped, with why (decided when
+    the set-up is built, alike on every rank); any other error is raised."""
+    one = {}
     out = {}
     for name in setups:
         s = SETUPS[name]
@@ -464,12 +480,11 @@ def harness(setups=("ddp", "torch-ddp", "zero1", "zero2", "fsdp", "fsdp2"), *, m
             continue
         try:
             got = _steps(s, steps, group, model_fn, batches, optimizer)
-        except ValueError as e:  # this set-up cannot train with this optimizer
+        except SetupUnsupported as e:
             out[name] = {"skipped": str(e)}
             continue
-        if one.get(s.reference) is None:
-            ref_opt = optimizer if s.reference == "adamw" else OptimizerSpec(type(_muon_reference(model_fn())), {})
-            one[s.reference] = _steps(None, steps, None, model_fn, batches, ref_opt)
+        if s.reference not in one:
+            one[s.reference] = _steps(None, steps, None, model_fn, batches, optimizer, reference=s.reference)
         init = _replicated(model_fn())
         out[name] = {**first_divergence(got, one[s.reference], init, tol), "steps": steps,
                      "grads_compared": s.grads is not None}
@@ -486,7 +501,8 @@ def print_harness(report: dict, file=None) -> None:
         if d is None:
             worst = ", ".join(f"{q} {w['deviation']:.1e}" for q, w in r["worst"].items())
             print(f"{name:10s} no divergence in {r['steps']} steps (largest: {worst})"
-                  + ("" if r["grads_compared"] else "; its gradients are sharded: not compared"), file=file)
+                  + ("" if r["grads_compared"] else "; its gradients are not held whole after backward: not "
+                                                    "compared"), file=file)
         else:
             what = {"loss": "the loss is off by {d} of itself",
                     "gradient": "the gradient of {t} is off by {d} of its largest element",

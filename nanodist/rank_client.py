@@ -67,11 +67,6 @@ def main(argv: list[str]) -> None:
         server.close()
         cold(argv)
     rank = reply["pid"]
-    try:  # who the rank really is, for tools that read a process (py-spy, under a timed-out nanodist.launch)
-        with open(os.path.join(os.path.dirname(path), f"rank-of-{os.getpid()}"), "w") as f:
-            f.write(str(rank))
-    except OSError:
-        pass
 
     def forward(signum, _frame):
         try:
@@ -81,7 +76,19 @@ def main(argv: list[str]) -> None:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    # who the rank really is, for tools that read a process (py-spy, under a timed-out nanodist.launch); removed
+    # when the rank ends
+    note = os.path.join(os.path.dirname(path), f"rank-of-{os.getpid()}")
+    try:
+        with open(note, "w") as f:
+            f.write(str(rank))
+    except OSError:
+        pass
     message = server.recv(4096)  # retried after each forwarded signal (PEP 475)
+    try:
+        os.unlink(note)
+    except OSError:
+        pass
     # no message: the server died, and the rank with it (its death signal is SIGKILL)
     end_as(json.loads(message)["code"] if message else -signal.SIGKILL)
 

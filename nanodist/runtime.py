@@ -248,9 +248,12 @@ def stack_dumps_on_sigusr1() -> bool:
     import signal
     if not hasattr(signal, "SIGUSR1"):  # Windows
         return False
-    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+    if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:  # a handler of Python's, or None: one set from C
         return False
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (ValueError, RuntimeError, AttributeError, OSError):  # a stderr with no file descriptor (a notebook's)
+        return False
     return True
 
 

@@ -89,9 +89,11 @@ def test_a_timeout_says_where_each_rank_was(tmp_path):
 
 def test_stacks_are_read_from_faulthandlers_dumps():
     from nanodist.launch import stacks_from_output
-    lines = ["[rank0]:Thread 0x00007f01 (most recent call first):",
+    # CPython lists the newest thread first; "Current thread" is whichever took the signal (here a watchdog's)
+    lines = ["[rank0]:Current thread 0x00007f01 (most recent call first):",
              '[rank0]:  File "/x/threading.py", line 359 in wait',
-             "[rank0]:Current thread 0x00007f02 (most recent call first):",
+             '[rank0]:  File "/x/threading.py", line 1030 in _bootstrap',
+             "[rank0]:Thread 0x00007f02 (most recent call first):",
              '[rank0]:  File "/x/train.py", line 10 in step',
              '[rank0]:  File "/x/train.py", line 20 in <module>',
              "[rank1]:Thread 0x00007f03 (most recent call first):",

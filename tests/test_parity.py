@@ -126,7 +126,8 @@ def harness_worker(rank, W):
     nanodist.ddp.all_reduce_sum = real_all_reduce
     # 2. the data: rank 1 reads rank 0's rows (a shard index that ignores the rank)
     out["same-rows"] = parity.harness(setups=("ddp",), batches=lambda s, r, w: parity.batch(s, 0, w))
-    # 3. ZeRO-2's update: rank 1 steps its shard with a learning rate 1 % too large
+    # 3. ZeRO-2's update: rank 1 steps its shard with a learning rate about 1 % too large (1.01, or 1.01^2 where
+    #    one patched update function calls another)
     real = {k: getattr(nd_adamw, k) for k in ("update", "foreach_update", "fused_update")}
     for k, fn in real.items():
         setattr(nd_adamw, k, lambda group, items, fn=fn: fn({**group, "lr": group["lr"] * (1.01 if rank == 1 else 1)},
