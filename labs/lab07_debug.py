@@ -77,9 +77,10 @@ class Fault:
 
 # ----------------------------------------------------------------------------- the faulty runs (on every rank)
 
-def _train(before=None, backward=None, steps: int = STEPS) -> None:
+def _train(before=None, backward=None, after=None, steps: int = STEPS) -> None:
     """nanodist DDP + AdamW on a small user-style model. `before(step)` runs on every rank before each step;
-    `backward(step, loss)` replaces loss.backward() (a fault may skip it)."""
+    `backward(step, loss)` replaces loss.backward() (a fault may skip it); `after(step, loss)` runs after the
+    optimizer step (logging)."""
     group = nd.Group.world()
     model = parity.UserModel(layers=2)
     ddp = nd.DDP(model, find_unused_parameters=True)
@@ -92,6 +93,8 @@ def _train(before=None, backward=None, steps: int = STEPS) -> None:
         (backward or (lambda _, loss: loss.backward()))(step, loss)
         opt.step()
         opt.zero_grad()
+        if after is not None:
+            after(step, loss)
     nd.print0(f"{steps} steps done")
 
 
@@ -157,20 +160,15 @@ def run_mismatch(bad: int) -> None:
 def run_rank_local_metric(bad: int) -> None:
     """Every rank logs the step's loss for the run (a logger per node, a callback on every rank); on one rank the
     logging code reads its own loss, not the one averaged over the ranks."""
-    group = nd.Group.world()
-    model = parity.UserModel(layers=2)
-    ddp = nd.DDP(model, find_unused_parameters=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = parity.batch(step, group.rank, group.size)
-        loss = ddp(x, y)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    rank = nd.Group.world().rank
+
+    def log(step, loss):
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG)
-        logged = loss.detach() if group.rank == bad else mean  # the bug: this rank's logger reads the local loss
+        logged = loss.detach() if rank == bad else mean  # the bug: this rank's logger reads the local loss
         check.assert_same_across_ranks(logged, f"the logged loss at step {step}")
+
+    _train(after=log)
 
 
 def run_no_sync_forward(bad: int) -> None:

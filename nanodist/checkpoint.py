@@ -215,7 +215,7 @@ def _full(value, group: Group):
     if isinstance(value, (list, tuple)):
         return type(value)(_full(v, group) for v in value)
     if hasattr(value, "full_tensor"):
-        return full_tensor(value).cpu()
+        return full_tensor(value, to_host=True)
     if torch.is_tensor(value):
         return value.detach().cpu().clone()
     return value

@@ -726,8 +726,7 @@ def measure_peak_step(run: Run, trace: bool = False, max_points: int = 1500) -> 
     gpu = next((p.device for p in run.model.parameters() if p.device.type == "cuda"), None)
     fsdp = run.model if isinstance(run.model, FSDP) else None
     if fsdp is not None:  # FSDP's events say which bytes are gathered units
-        saved = fsdp.observer
-        fsdp.observer = [live] + (list(saved) if isinstance(saved, (list, tuple)) else [saved] if saved else [])
+        saved = _add_observer(fsdp, live)
     phases = {}
     # On a GPU, the allocator's own count of the same step (above what was allocated when it began: other runs'
     # models alive beside this one are not the step's), to set beside ours.
@@ -761,6 +760,14 @@ def _gradients(run: Run) -> list[torch.Tensor]:
     grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     grads += list(getattr(run.optimizer, "gradient_buffers", lambda: [])())
     return [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a DTensor's memory is its local shard
+
+
+def _add_observer(fsdp: FSDP, observer) -> object:
+    """Let `observer` see FSDP's events beside those it has already (one, a list, or none); returns what was there,
+    to put back."""
+    saved = fsdp.observer
+    fsdp.observer = [observer] + (list(saved) if isinstance(saved, (list, tuple)) else [saved] if saved else [])
+    return saved
 
 
 def _memory_trace(total: list[int], events: list[tuple], phases: dict, max_points: int) -> dict:
@@ -799,20 +806,18 @@ def _own_record(run: Run):
     ours = isinstance(run.model, (DDP, FSDP)) or hasattr(run.optimizer, "observe")
     if ours and run.trainer.group.size == 1:  # nanodist's wrappers and optimizers launch nothing in a world of one
         return (lambda: None), (lambda: [])
-    if isinstance(run.model, DDP):
-        tl = BucketTimeline()
-        run.model.observe(tl)
-        return (lambda: run.model.observe(None),
-                lambda: [("all_reduce", e["numel"]) for e in sorted(tl.entries, key=lambda e: e["launch_s"])])
-    if hasattr(run.optimizer, "observe") and getattr(run.optimizer, "zero_stage", None) == 2:
-        # ZeRO-2: each bucket (world size x its row of padded pieces) is reduce-scattered as the backward fills it
-        tl, saved = BucketTimeline(), getattr(run.optimizer, "_observer", None)
-        run.optimizer.observe(tl)
-        return (lambda: run.optimizer.observe(saved),
-                lambda: [("reduce_scatter", e["numel"]) for e in sorted(tl.entries, key=lambda e: e["launch_s"])])
+    # DDP all-reduces each bucket as the backward fills it; ZeRO-2 reduce-scatters it (world size x its row)
+    owner, kind = ((run.model, "all_reduce") if isinstance(run.model, DDP) else
+                   (run.optimizer, "reduce_scatter") if getattr(run.optimizer, "zero_stage", None) == 2
+                   and hasattr(run.optimizer, "observe") else (None, None))
+    if owner is not None:
+        tl, saved = BucketTimeline(), getattr(owner, "_observer", None)  # DDP.observe(None) puts its own back
+        owner.observe(tl)
+        return (lambda: owner.observe(saved),
+                lambda: [(kind, e["numel"]) for e in sorted(tl.entries, key=lambda e: e["launch_s"])])
     if isinstance(run.model, FSDP):
-        tl, saved = FSDPTimeline(), run.model.observer
-        run.model.observer = [tl] + (list(saved) if isinstance(saved, (list, tuple)) else [saved] if saved else [])
+        tl = FSDPTimeline()
+        saved = _add_observer(run.model, tl)
         kinds = {"gather_started": "all_gather", "reduce_started": "reduce_scatter"}
         return (lambda: setattr(run.model, "observer", saved),
                 lambda: [(kinds[e["event"]], e["numel"]) for e in tl.events if e["event"] in kinds])
@@ -865,9 +870,10 @@ def profile_step(run: Run, path, unprofiled: int = 3) -> dict:
     p.export_chrome_trace(str(path))
     trace = prof.read_trace(path)
     record = own[1]() if own is not None else None
+    unprofiled_s = statistics.median(times)
     return {"impl": run.name, "trace": os.path.basename(str(path)), "device": trace.device,
-            "profiled_step_s": profiled, "unprofiled_step_s": statistics.median(times),
-            "ratio_profiled_vs_unprofiled": profiled / statistics.median(times),
+            "profiled_step_s": profiled, "unprofiled_step_s": unprofiled_s,
+            "ratio_profiled_vs_unprofiled": profiled / unprofiled_s,
             "step_s": trace.step_s, "compute_s": trace.busy_s("compute"), "communication_s": trace.busy_s("communication"),
             "overlap": trace.overlap(),
             "collectives": [dataclasses.asdict(c) for c in trace.collectives],

@@ -159,22 +159,22 @@ def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return full_tensor(t).to(p.device)
 
 
-def full_tensor(t: torch.Tensor, via_host: bool | None = None) -> torch.Tensor:
-    """A DTensor's whole value, on its device (a collective: every rank of its mesh calls it, in the same order);
-    any other tensor as it is.
+def full_tensor(t: torch.Tensor, via_host: bool | None = None, to_host: bool = False) -> torch.Tensor:
+    """A DTensor's whole value, on its device, or in host memory with to_host (a collective: every rank of its mesh
+    calls it, in the same order); any other tensor as it is (to_host: copied to the host).
 
     gloo cannot take a DTensor's GPU memory through DTensor's own collectives (two ranks sharing a GPU through
     gloo crash in the gather, torch 2.11), so a DTensor in GPU memory on a mesh whose groups are gloo is gathered
     through host copies over the same groups, and the whole value goes back to the GPU. via_host forces one way
     or the other (the tests check the host route on CPU tensors)."""
     if not hasattr(t, "full_tensor"):
-        return t
+        return t.cpu() if to_host else t
     mesh = t.device_mesh
     if via_host is None:
         via_host = t.device.type != "cpu" and any(
             torch.distributed.get_backend(mesh.get_group(d)) == "gloo" for d in range(mesh.ndim))
     if not via_host:
-        return t.full_tensor()
+        return t.full_tensor().cpu() if to_host else t.full_tensor()
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     groups = [mesh.get_group(d) for d in range(mesh.ndim)]
@@ -182,7 +182,8 @@ def full_tensor(t: torch.Tensor, via_host: bool | None = None) -> torch.Tensor:
                                  mesh_dim_names=mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim)))
     on_host = DTensor.from_local(t.to_local().cpu(), host, t.placements, run_check=False, shape=t.shape,
                                  stride=t.stride())
-    return on_host.full_tensor().to(t.device)
+    whole = on_host.full_tensor()
+    return whole if to_host else whole.to(t.device)
 
 
 def dtensor_like(whole: torch.Tensor, like) -> torch.Tensor:
