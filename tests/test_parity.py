@@ -140,7 +140,7 @@ def harness_worker(rank, W):
 
 @pytest.fixture(scope="module", params=[1, 2, 3])
 def harnessed(request):
-    return request.param, spawn(harness_worker, request.param, timeout=180)[0]
+    return request.param, spawn(harness_worker, request.param, timeout=120)[0]
 
 
 def test_the_harness_finds_no_divergence_in_correct_set_ups_of_two_model_families(harnessed):

@@ -137,7 +137,7 @@ def profiled(results, lab, names, world):
 @pytest.mark.dist
 def test_lab03_profiles_nanodist_and_torch_ddp_and_agrees_with_the_bucket_timeline(results_dir):
     run = nd.launch("lab03_ddp", nproc=2, args=TINY + ["--impl", "all", "--no-baseline", "--bucket-mb", "0.1", "--timeline"],
-                    timeout=180, echo=False)
+                    timeout=120, echo=False)
     rec, p = profiled(results_dir, "lab03_ddp", ["nanodist", "torch"], 2)
     for rank in range(2):
         a = p["nanodist"][rank]["agreement"]
@@ -162,7 +162,7 @@ def test_lab03_profiles_nanodist_and_torch_ddp_and_agrees_with_the_bucket_timeli
 
 @pytest.mark.dist
 def test_lab04_profiles_zero2_at_three_ranks(results_dir):
-    nd.launch("lab04_zero", nproc=3, args=TINY + ["--opt", "dist-adamw", "--bucket-mb", "0.1"], timeout=180, echo=False)
+    nd.launch("lab04_zero", nproc=3, args=TINY + ["--opt", "dist-adamw", "--bucket-mb", "0.1"], timeout=120, echo=False)
     _, p = profiled(results_dir, "lab04_zero", ["dist-adamw"], 3)
     for mine in p["dist-adamw"]:
         a = mine["agreement"]
@@ -171,7 +171,7 @@ def test_lab04_profiles_zero2_at_three_ranks(results_dir):
 
 @pytest.mark.dist
 def test_lab05_profiles_fsdp_and_agrees_with_its_events(results_dir):
-    nd.launch("lab05_fsdp", nproc=2, args=TINY + ["--impl", "fsdp"], timeout=180, echo=False)
+    nd.launch("lab05_fsdp", nproc=2, args=TINY + ["--impl", "fsdp"], timeout=120, echo=False)
     _, p = profiled(results_dir, "lab05_fsdp", ["fsdp"], 2)
     for mine in p["fsdp"]:
         kinds = [k for k, _ in mine["own_record"]]
