@@ -4,6 +4,7 @@ tools report.
     python labs/lab07_debug.py --fault hang               # launch the ranks, plant the fault on a random one, diagnose
     python labs/lab07_debug.py --fault all                # every fault in turn
     torchrun --nproc_per_node=2 labs/lab07_debug.py --fault nan --rank 1   # the faulty run alone: the tools' raw output
+    torchrun --nproc_per_node=2 labs/lab07_debug.py --parity   # the parity harness: two model families, three bugs
 
 Run without torchrun, the lab is the triage: it launches the faulty run (2 ranks, or 3 where only a majority can say
 which rank is the odd one out), reads what the tools printed or raised, and prints the diagnosis -- the rank, and
@@ -31,11 +32,16 @@ comes from the tools alone, and the results file records both, so a wrong diagno
   memory-blowup  a rank's evaluation keeps its graph  each rank's memory after each step
               alive (no no_grad, total += loss)       (nanodist.memory.process_memory): the one that grows
 
+--parity runs nanodist.parity.harness -- one process against DDP, ZeRO-1/2 and FSDP, nanodist's and torch's --
+on two model families (UserModel with AdamW, ConvNet with SGD), then on three bugs planted on one rank by
+monkeypatching (BUGS), and prints where each set-up first leaves one process, or that it never did.
+
 Every fault ends in seconds: a hang within the collective timeout the lab sets (NANODIST_TIMEOUT, 5 s here), never
 torch's default 30 minutes.
 """
 import argparse
 import collections
+import contextlib
 import datetime
 import os
 import random
@@ -73,6 +79,8 @@ class Fault:
     run: Callable[[int], None] | None  # None: nothing runs on the ranks (the failure is before them)
     diagnose: Callable[[str], tuple | None]
     env: dict = field(default_factory=dict)
+    symptom: str = ""  # what the user sees first
+    tool: str = ""  # what names the rank (Chapter 7's decision tree)
 
 
 # ----------------------------------------------------------------------------- the faulty runs (on every rank)
@@ -389,24 +397,184 @@ def diagnose_uneven_data(output: str):
 
 
 FAULTS = {f.name: f for f in (
-    Fault("hang", "a rank stops before a collective", 2, run_hang, diagnose_hang, {"NANODIST_STALL_S": "1"}),
-    Fault("dead-peer", "a rank is killed by SIGKILL", 2, run_dead_peer, diagnose_dead_peer),
-    Fault("nan", "a rank's loss turns NaN", 2, run_nan, diagnose_nan),
+    Fault("hang", "a rank stops before a collective", 2, run_hang, diagnose_hang, {"NANODIST_STALL_S": "1"},
+          "the run stops printing; no error until the collective timeout",
+          "the divergence detector's watchdog (NANODIST_STALL_S): who is not in a collective, and its stack"),
+    Fault("dead-peer", "a rank is killed by SIGKILL", 2, run_dead_peer, diagnose_dead_peer, {},
+          "every rank fails with a connection error at once",
+          "the launcher's root-cause report: the first rank to fail, and its signal"),
+    Fault("nan", "a rank's loss turns NaN", 2, run_nan, diagnose_nan, {},
+          "the loss or the gradient norm is nan",
+          "the Trainer's non-finite stop: the step, and the rank whose loss was not finite"),
     Fault("skip-backward", "a rank skips a backward (a branch taken on one rank)", 3, run_skip_backward,
-          diagnose_skip_backward, {"NANODIST_STALL_S": "1"}),
-    Fault("set-epoch", "a rank never calls sampler.set_epoch", 3, run_set_epoch, diagnose_set_epoch),
-    Fault("port-in-use", "the rendezvous port is taken by another program", 2, None, diagnose_port),
-    Fault("desync", "a rank initialised from another seed, no broadcast", 3, run_desync, diagnose_desync),
+          diagnose_skip_backward, {"NANODIST_STALL_S": "1"},
+          "the run stops printing; every rank is inside a collective",
+          "the watchdog: the collective each rank waits in; the odd one out"),
+    Fault("set-epoch", "a rank never calls sampler.set_epoch", 3, run_set_epoch, diagnose_set_epoch, {},
+          "no error; from the second epoch, samples are seen twice and others never",
+          "nanodist.check.check_sampler_exactly_once: the rank in every duplicated index"),
+    Fault("port-in-use", "the rendezvous port is taken by another program", 2, None, diagnose_port, {},
+          "torchrun fails before any rank starts",
+          "torchrun's rendezvous error: EADDRINUSE and the port"),
+    Fault("desync", "a rank initialised from another seed, no broadcast", 3, run_desync, diagnose_desync, {},
+          "no error; the loss is worse than one process's and the ranks' weights drift apart",
+          "nanodist.check.assert_params_in_sync: the first tensor that differs, the ranks grouped by copy"),
     Fault("mismatch", "a rank all-reduces a tensor of another shape", 3, run_mismatch, diagnose_mismatch,
-          {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
-    Fault("uneven-data", "a rank's shard of the data is short", 2, run_uneven_data, diagnose_uneven_data),
+          {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+          "a hang, a crash, or silently wrong values (gloo does not compare shapes)",
+          "TORCH_DISTRIBUTED_DEBUG=DETAIL: each rank's collective fingerprint; the odd one out"),
+    Fault("uneven-data", "a rank's shard of the data is short", 2, run_uneven_data, diagnose_uneven_data, {},
+          "a hang at the end of an epoch (the short rank stops first), or samples never seen",
+          "nanodist.check.check_sampler_exactly_once: each rank's count against its share"),
     Fault("rank-local-metric", "a rank logs its own loss, not the average over the ranks", 3,
-          run_rank_local_metric, diagnose_rank_local_metric),
+          run_rank_local_metric, diagnose_rank_local_metric, {},
+          "no error; the logged curve depends on which rank logs it",
+          "nanodist.check.assert_same_across_ranks on the logged value: the odd one out"),
     Fault("no-sync-forward", "a rank's forward is outside no_sync() (torch DDP, gradient accumulation)", 3,
-          run_no_sync_forward, diagnose_no_sync_forward, {"TORCH_FR_BUFFER_SIZE": "2000"}),
+          run_no_sync_forward, diagnose_no_sync_forward, {"TORCH_FR_BUFFER_SIZE": "2000"},
+          "a hang at the end (or at the next checkpoint): one rank ran more all-reduces",
+          "torch.distributed.monitored_barrier: the rank that did not arrive; the flight recorder's counts"),
     Fault("memory-blowup", "a rank keeps every evaluation's autograd graph alive (no no_grad, total += loss)", 2,
-          run_memory_blowup, diagnose_memory_blowup),
+          run_memory_blowup, diagnose_memory_blowup, {},
+          "memory grows every step on one rank, until it is killed (out of memory)",
+          "each rank's memory after each step: the one that grows"),
 )}
+
+
+# ----------------------------------------------------------------------------- the environment (Chapter 7's sheet)
+
+GPU_ONLY = "GPU only (NCCL)"
+# (variable, what reads it, what it does). Those not GPU_ONLY appear in the installed torch's sources or libraries,
+# or in nanodist's (tests/test_lab07.py checks); NCCL's and torch's NCCL-side ones are in builds with CUDA only.
+ENVIRONMENT = [
+    ("NANODIST_TIMEOUT", "nanodist", "the collective timeout in seconds (300 unless set): a hang becomes an error "
+     "on every rank instead of torch's 30 minutes of silence"),
+    ("NANODIST_STALL_S", "nanodist", "after this many seconds in one collective (3; 0 turns it off) the watchdog asks "
+     "every rank where it is, and names the one that is not in a collective or the ones in another collective"),
+    ("NANODIST_CHECK_COLLECTIVES", "nanodist", "nanodist's collectives compare shapes and dtypes across the ranks "
+     "before they run (on unless 0)"),
+    ("TORCH_DISTRIBUTED_DEBUG", "torch, any backend", "INFO or DETAIL: DETAIL wraps each process group so that every "
+     "collective first compares a fingerprint (operation, shapes, dtypes) across the ranks and raises on a "
+     "mismatch, naming both ranks' calls; it costs an extra collective per call. In torch 2.13 on gloo it crashes "
+     "torch's own DDP at construction (Lab 7's no-sync-forward uses monitored_barrier instead)"),
+    ("TORCH_FR_BUFFER_SIZE", "torch, any backend", "the flight recorder: each process group keeps its last N "
+     "collectives (0, the default: none); gloo's too in torch 2.13 (nanodist.flight reads it)"),
+    ("TORCH_SHOW_CPP_STACKTRACES", "torch", "1: an error raised in C++ carries the C++ stack"),
+    ("TORCH_CPP_LOG_LEVEL", "torch (c10)", "INFO: c10d's own log lines (process groups created, the store, the "
+     "rendezvous)"),
+    ("TORCHELASTIC_ERROR_FILE", "torchrun", "where a rank writes its uncaught exception (torchrun sets it; a function "
+     "decorated with torch.distributed.elastic's @record writes it), for the root-cause report"),
+    ("GLOO_SOCKET_IFNAME", "gloo", "the network interface gloo uses (eth0, ...), when the ranks cannot reach each other "
+     "on the one it picks"),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", GPU_ONLY, "whether a failed or timed-out NCCL collective takes its process "
+     "down (the default) rather than leaving it hung"),
+    ("TORCH_NCCL_BLOCKING_WAIT", GPU_ONLY, "1: work.wait() blocks the calling thread and raises the timeout there"),
+    ("TORCH_NCCL_TRACE_BUFFER_SIZE", GPU_ONLY, "the NCCL flight recorder's size (TORCH_FR_BUFFER_SIZE's older name)"),
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT", GPU_ONLY, "1: on a timeout every rank dumps its flight recorder to "
+     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE, one file per rank, for torch's fr_trace tool to compare"),
+    ("TORCH_NCCL_ENABLE_MONITORING", GPU_ONLY, "the heartbeat monitor that ends a process whose NCCL watchdog is "
+     "itself stuck (after TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)"),
+    ("NCCL_DEBUG", GPU_ONLY, "WARN or INFO: NCCL prints its version, the transports and rings it chose, and its "
+     "errors (NCCL_DEBUG_SUBSYS=INIT,COLL,NET,... picks which parts speak)"),
+    ("NCCL_P2P_DISABLE, NCCL_IB_DISABLE", GPU_ONLY, "1: no peer-to-peer (NVLink, PCIe) or no InfiniBand: to tell a "
+     "bad link from a bad program"),
+    ("NCCL_SOCKET_IFNAME", GPU_ONLY, "the network interface NCCL's sockets use"),
+    ("CUDA_LAUNCH_BLOCKING", "CUDA (GPU only)", "1: every kernel runs synchronously, so an error names the operation "
+     "that caused it (slow: for debugging only)"),
+]
+
+
+# ----------------------------------------------------------------------------- the parity harness (--parity)
+
+# two model families, each with its data and optimizer (nanodist.parity.harness's model_fn, batches, optimizer)
+FAMILIES = {
+    "user": ("UserModel (frozen, tied and bare parameters, buffers) + AdamW", parity.UserModel, parity.batch,
+             parity.ADAMW),
+    "conv": ("ConvNet (convolutions, group norm) + SGD with momentum", parity.ConvNet, parity.images,
+             parity.OptimizerSpec(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})),
+}
+
+
+@contextlib.contextmanager
+def _loud_bucket(bad: int, rank: int):
+    """DDP's bucket all-reduce: rank `bad` sends its gradients 0.1 % too large."""
+    import nanodist.ddp
+    real = nanodist.ddp.all_reduce_sum
+
+    def loud(buffer, group, what="all-reduce"):
+        if rank == bad and what.startswith("DDP all-reduce of bucket"):
+            buffer.mul_(1.001)
+        return real(buffer, group, what)
+    nanodist.ddp.all_reduce_sum = loud
+    try:
+        yield {"setups": ("ddp",)}
+    finally:
+        nanodist.ddp.all_reduce_sum = real
+
+
+@contextlib.contextmanager
+def _same_rows(bad: int, rank: int):
+    """The data: rank `bad` reads the next rank's rows of the batch (a shard index that ignores the rank)."""
+    yield {"setups": ("ddp",), "batches": lambda s, r, w: parity.batch(s, (r + 1) % w if r == bad else r, w)}
+
+
+@contextlib.contextmanager
+def _fast_shard(bad: int, rank: int):
+    """ZeRO-2's update: rank `bad` steps its shard of the parameters with a learning rate 1 % too large (1.01, or
+    1.01^2 where one patched update function calls another). DDP beside it trains with torch's AdamW: unaffected."""
+    import nanodist.optim.adamw as nd_adamw
+    real = {k: getattr(nd_adamw, k) for k in ("update", "foreach_update", "fused_update")}
+    for k, fn in real.items():
+        setattr(nd_adamw, k, lambda group, items, fn=fn: fn({**group, "lr": group["lr"] * (1.01 if rank == bad else 1)},
+                                                             items))
+    try:
+        yield {"setups": ("zero2", "ddp")}
+    finally:
+        for k, fn in real.items():
+            setattr(nd_adamw, k, fn)
+
+
+BUGS = {  # planted by monkeypatching, on one rank: nothing in nanodist.parity knows of them
+    "loud-bucket": ("DDP's bucket all-reduce sends one rank's gradients 0.1 % too large", _loud_bucket),
+    "same-rows": ("one rank reads another rank's rows of each batch", _same_rows),
+    "fast-shard": ("one rank's ZeRO-2 shard steps with a learning rate 1 % too large", _fast_shard),
+}
+
+
+def parity_demo(bad: int, rank: int, steps: int = 4) -> dict:
+    """The parity harness on both families (correct set-ups: every one of nanodist's and torch's), then on each
+    planted bug (on rank `bad`, the set-ups it touches); {case: harness report}. A collective: every rank."""
+    out = {}
+    for name, (_, model_fn, batches, optimizer) in FAMILIES.items():
+        out[name] = parity.harness(model_fn=model_fn, batches=batches, optimizer=optimizer, steps=steps)
+    if dist_size() > 1:
+        for name, (_, plant) in BUGS.items():
+            with plant(bad, rank) as kwargs:
+                out[name] = parity.harness(steps=steps, **kwargs)
+    return out
+
+
+def dist_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def run_parity(args) -> None:
+    """--parity under torchrun: the demo, each case's report printed by rank 0 and recorded."""
+    nd.init()
+    group = nd.Group.world()
+    bad = args.rank if args.rank is not None else group.size - 1
+    if not 0 <= bad < group.size:
+        raise SystemExit(f"lab07: --rank {bad}: this launch has ranks 0 to {group.size - 1}")
+    out = parity_demo(bad, group.rank)
+    about = {k: v[0] for k, v in FAMILIES.items()} | {k: f"{v[0]} (rank {bad})" for k, v in BUGS.items()}
+    if group.rank == 0:
+        for name, report in out.items():
+            print(f"== {name}: {about[name]}")
+            parity.print_harness(report)
+    rec = Recorder("lab07_debug", config=vars(args), group=group)
+    rec.metrics["parity"] = {"planted_rank": bad, "about": about, "reports": out}
+    nd.print0(f"wrote {nd.results.shown(rec.save())}")
+    nd.shutdown()
 
 
 # ----------------------------------------------------------------------------- triage: launch, read, diagnose
@@ -423,11 +591,44 @@ def triage(fault: Fault, bad: int) -> dict:
     found = fault.diagnose(output)
     row = {"fault": fault.name, "world_size": fault.world, "planted_rank": bad if fault.run else None,
            "seconds": round(took, 1), "launch_failed": failed, "diagnosed_rank": None, "diagnosis": None,
-           "evidence": None}
+           "evidence": None, "log": tool_lines(output)}
     if found is not None:
         who = "no rank" if found[0] is None else f"rank {found[0]}"
         row.update(diagnosed_rank=found[0], diagnosis=f"{who}: {found[1]}", evidence=found[2])
     return row
+
+
+# the lines a tool printed (the launcher, the watchdog, nanodist.check, torch's errors and barriers, the flight
+# recorder), as against tracebacks' frames and torchrun's boilerplate
+_TOOL_LINE = re.compile(r"nanodist: |waits in collective|failed on rank|\w+Error: |monitoredBarrier|flight recorder:|"
+                        r"memory: rank|out of sync across|ranks with identical copies|duplicated indices|"
+                        r"reads \d+ samples|EADDRINUSE|Timed out")
+_DEVICE_TYPES = re.compile(r"TensorDeviceTypes=TensorOptions\((?:[^()]|\([^()]*\))*\)")  # DETAIL's long tail
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:)+ *")
+_CPP_LOG = re.compile(r"\[[EWI]\d{4} [\d:.]+ [\w.]+:\d+\] ")  # c10d's "[E1127 02:22:30.04 ProcessGroupGloo.cpp:67] "
+
+
+def tool_lines(output: str, limit: int = 24, width: int = 400) -> list[str]:
+    """What the tools said in a faulty run's output: their lines, in order, each once (a line every rank printed
+    alike is kept once, with its first rank's prefix), at most `limit` lines of at most `width` characters."""
+    seen, out = set(), []
+    for line in output.splitlines():
+        line = line.strip()
+        if not _TOOL_LINE.search(line) or line.startswith("File "):
+            continue
+        line = _CPP_LOG.sub("", _DEVICE_TYPES.sub("TensorDeviceTypes=[...]", line))
+        key = _RANK_PREFIX.sub("", line)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(line if len(line) <= width else line[:width - 5] + " [...]")
+    return out[:limit]
+
+
+def unlabelled(row: dict) -> list[str]:
+    """A row's tool lines with the lab's own names masked (a stack dump shows the lab's functions, run_hang, ...):
+    what an exercise shows when it asks the reader for the cause and the rank. The tools' words stay."""
+    return [re.sub(r"lab07_debug\.py:\d+ [\w<>]+|\brun_\w+|--fault [\w-]+", "[...]", line) for line in row["log"]]
 
 
 def _taken_port_run(world: int) -> tuple[str, bool]:
@@ -467,10 +668,18 @@ def _launch(fault: Fault, bad: int, env: dict) -> tuple[str, bool]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fault", choices=list(FAULTS) + ["all"], required=True)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--fault", choices=list(FAULTS) + ["all"])
+    what.add_argument("--parity", action="store_true", help="under torchrun: the parity harness on two model "
+                      "families, correct and with three bugs planted on --rank (default: the last rank)")
     p.add_argument("--rank", type=int, default=None, help="the rank to plant the fault on (default: a random one)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random choice of rank")
     args = p.parse_args()
+    if args.parity:
+        if "RANK" not in os.environ:
+            p.error("--parity runs on every rank: torchrun --nproc_per_node=2 labs/lab07_debug.py --parity")
+        run_parity(args)
+        return 0
     if "RANK" in os.environ:  # a rank of the faulty run
         if args.fault == "all" or args.rank is None:
             p.error("under torchrun, give one --fault and its --rank")

@@ -16,6 +16,9 @@ a frozen block, a frozen parameter inside a trainable layer, layer norms, a bare
 a 0-dimensional one at the top, an output layer tied to the embedding, buffers (one that counts calls, one
 constant), and a branch (`aux`) used only on every other call, so some steps give it no gradient at all.
 
+A second family, `ConvNet` on `images`, is nothing like a language model (convolutions, a group norm, a
+classifier head): the harness is shown and tested on both.
+
 The data (`batch`) is one global batch per step, cut into equal rows per rank: a mean over ranks of each rank's
 mean loss is the one-process mean loss, so every data-parallel set-up computes the same averaged gradient as one
 process, up to the order of floating-point sums.
@@ -104,6 +107,33 @@ def batch(step: int, rank: int = 0, world_size: int = 1, global_batch: int = GLO
     rows = global_batch // world_size
     mine = tokens[rank * rows:(rank + 1) * rows]
     return mine[:, :-1], mine[:, 1:]
+
+
+class ConvNet(nn.Module):
+    """A second family, nothing like a language model: a small image classifier (convolutions, a group norm --
+    per sample, so data parallelism is exact; a batch norm would need SyncBatchNorm -- and a linear head);
+    forward(x, y) -> (logits, loss). Train it on `images`."""
+
+    def __init__(self, seed: int = 3):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        h = torch.relu(self.conv2(torch.relu(self.norm(self.conv1(x)))))
+        logits = self.head(h.mean(dim=(2, 3)))
+        return logits, F.cross_entropy(logits, y)
+
+
+def images(step: int, rank: int = 0, world_size: int = 1, global_batch: int = GLOBAL_BATCH):
+    """ConvNet's data: step `step`'s global batch of 8x8 RGB images and labels, this rank's equal share of it."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(global_batch, 3, 8, 8, generator=g), torch.randint(0, 10, (global_batch,), generator=g)
+    rows = global_batch // world_size
+    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
 
 
 # ----------------------------------------------------------------------------- set-ups
@@ -244,6 +274,15 @@ def _torch_ddp(model, group, optimizer: OptimizerSpec = ADAMW):
             optimizer.make(_trainable(model)))
 
 
+def _torch_zero1(model, group, optimizer: OptimizerSpec = ADAMW):
+    """torch's own ZeRO-1: torch DDP averages the gradients, ZeroRedundancyOptimizer keeps each rank's share of the
+    optimizer state and broadcasts the updated parameters."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    module = _torch_ddp(model, group, optimizer)[0]
+    return module, ZeroRedundancyOptimizer(_trainable(model), optimizer_class=optimizer.cls, process_group=group.pg,
+                                           **optimizer.kwargs)
+
+
 def _zero(model, group, optimizer: OptimizerSpec, stage: int):
     """ZeRO with the harness's optimizer: nanodist's DistAdamW for AdamW (stage 1 or 2), ZeroOptimizer (stage 1)
     over any other torch optimizer; stage 2 is DistAdamW's or DistMuon's only."""
@@ -273,6 +312,8 @@ def _register_builtins() -> None:
                    grads=_replicated_grads))
     # The sharded optimizers get every parameter, frozen ones included, as torch.optim.AdamW does.
     register(Setup("zero1", lambda m, g, o: _zero(m, g, o, 1), _replicated, takes_optimizer=True))
+    register(Setup("torch-zero1", _torch_zero1, _replicated, needs_group=True, takes_optimizer=True,
+                   grads=_replicated_grads))
     register(Setup("zero2", lambda m, g, o: _zero(m, g, o, 2), _replicated, takes_optimizer=True))
     register(Setup("zero1-any", lambda m, g, o: (m, ZeroOptimizer(m.parameters(), o.cls, group=g, module=m,
                                                                   **o.kwargs)), _replicated, takes_optimizer=True))
@@ -458,7 +499,7 @@ def first_divergence(got: list[dict], want: list[dict], init: dict, tol: Toleran
     return {"diverged": first, "worst": worst}
 
 
-def harness(setups=("ddp", "torch-ddp", "zero1", "zero2", "fsdp", "fsdp2"), *, model_fn: Callable = UserModel,
+def harness(setups=("ddp", "torch-ddp", "zero1", "torch-zero1", "zero2", "fsdp", "fsdp2"), *, model_fn: Callable = UserModel,
             batches: Callable = batch, optimizer: OptimizerSpec = ADAMW, steps: int = 4, tol: Tolerance = Tolerance(),
             group=None) -> dict:
     """The parity harness for your model: train it one process on the whole batch and under each set-up for
@@ -495,12 +536,12 @@ def print_harness(report: dict, file=None) -> None:
     """One line per set-up: where it first left one process, or that it never did (with its largest deviations)."""
     for name, r in report.items():
         if "skipped" in r:
-            print(f"{name:10s} skipped: {r['skipped']}", file=file)
+            print(f"{name:12s} skipped: {r['skipped']}", file=file)
             continue
         d = r["diverged"]
         if d is None:
             worst = ", ".join(f"{q} {w['deviation']:.1e}" for q, w in r["worst"].items())
-            print(f"{name:10s} no divergence in {r['steps']} steps (largest: {worst})"
+            print(f"{name:12s} no divergence in {r['steps']} steps (largest: {worst})"
                   + ("" if r["grads_compared"] else "; its gradients are not held whole after backward: not "
                                                     "compared"), file=file)
         else:
@@ -508,7 +549,7 @@ def print_harness(report: dict, file=None) -> None:
                     "gradient": "the gradient of {t} is off by {d} of its largest element",
                     "gradient norm": "the gradient norm is off by {d} of itself",
                     "parameters": "parameter {t} is off by {d} of what training moved the parameters"}[d["quantity"]]
-            print(f"{name:10s} DIVERGES at step {d['step']}: " + what.format(t=d["tensor"], d=f"{d['deviation']:.1e}")
+            print(f"{name:12s} DIVERGES at step {d['step']}: " + what.format(t=d["tensor"], d=f"{d['deviation']:.1e}")
                   + f" (tolerance {d['tolerance']:.0e})", file=file)
 
 

@@ -155,6 +155,31 @@ def ddp_timeline(timeline: list[dict], step: int = -1, ax=None):
     return ax
 
 
+def trace_lanes(trace, ax=None, title: str = ""):
+    """One profiled step (a nanodist.profile.Trace): the compute lane, the communication lane, and a tick where
+    each collective was launched, one row per kind, in ms from the start of the step; the overlap in the title."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.6, 2.4))
+    ms = 1e3
+    kinds = sorted({c.kind for c in trace.collectives})
+    rows = ["compute", "communication"] + [f"{k} launched" for k in kinds]
+    y = {r: len(rows) - 1 - i for i, r in enumerate(rows)}
+    for lane, color in (("compute", "#8C8C8C"), ("communication", PALETTE[0])):
+        spans = [(a * ms, (b - a) * ms) for a, b in getattr(trace, lane)]
+        ax.broken_barh(spans, (y[lane] - 0.3, 0.6), color=color)
+    for c in trace.collectives:
+        ax.plot([c.start_s * ms], [y[f"{c.kind} launched"]], marker="|", markersize=10, color=PALETTE[1])
+    ax.set_yticks(list(y.values()), list(y.keys()))
+    ax.set_xlim(0, trace.step_s * ms)
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    ax.set_xlabel("ms from the start of the step")
+    overlap = trace.overlap()
+    note = "no communication" if overlap is None else f"{100 * overlap:.0f} % of communication under compute"
+    ax.set_title(f"{title}: {note}" if title else note)
+    ax.spines[["top", "right"]].set_visible(False)
+    return ax
+
+
 def scaling(panels: dict[str, dict], max_ranks: int = 8):
     """Speedup (left) and efficiency (right) against the number of ranks, one row per panel.
 

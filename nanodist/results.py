@@ -465,8 +465,9 @@ def table(records: list[dict] | None = None, lab: str | None = None) -> Table:
     return Table(summarize(r) for r in records)
 
 
-def provenance(record: dict) -> str:
+def provenance(record: dict, ranks: str | None = None) -> str:
     """One line saying where a record's numbers were measured: machine, backend, world size, torch, date.
+    `ranks` replaces the world size where the record's own is not the runs' (a triage that launched others).
 
         "Measured on Intel Xeon ... (2 cores, no GPU), gloo, 2 ranks on 1 node, torch 2.13.0, 2026-11-23."
     """
@@ -476,7 +477,7 @@ def provenance(record: dict) -> str:
     gpu = f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU"
     machine = f"{hw.get('cpu_model', 'unknown CPU')} ({cores} cores, {gpu})" if cores else hw.get("cpu_model", "?")
     W, nodes = record.get("world_size", "?"), record.get("nnodes", 1)
-    ranks = f"{W} rank{'s' if W != 1 else ''}" + (f" on {nodes} nodes" if nodes and nodes > 1 else "")
+    ranks = ranks or f"{W} rank{'s' if W != 1 else ''}" + (f" on {nodes} nodes" if nodes and nodes > 1 else "")
     date = str(record.get("created", ""))[:10]
     return f"Measured on {machine}, {record.get('backend', '?')}, {ranks}, torch {hw.get('torch', '?')}, {date}."
 

@@ -22,6 +22,11 @@ class Table(list):
     def select(self, *names: str) -> "Table":
         return Table({n: r.get(n) for n in names} for r in self)
 
+    def wrapped(self) -> "Table":
+        """The same table, its cells wrapping in a web page instead of scrolling sideways (for tables of prose)."""
+        self.wrap = True
+        return self
+
     def _cells(self):
         cols = self.columns
         fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
@@ -38,7 +43,8 @@ class Table(list):
         cols, rows = self._cells()
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r) + "</tr>" for r in rows)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        css = ' class="wrap"' if getattr(self, "wrap", False) else ""
+        return f"<table{css}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
     def __repr__(self) -> str:
         return str(self)

@@ -147,3 +147,49 @@ def test_the_flight_recorder_says_when_it_is_off(monkeypatch):
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
     assert not flight.enabled() and flight.entries() == []
     assert "off (set TORCH_FR_BUFFER_SIZE before the process group is made)" in flight.summary(0)
+
+
+def test_the_environment_sheet_names_variables_this_torch_or_nanodist_reads():
+    """Chapter 7's cheat sheet: every variable not marked GPU-only is in the installed torch's Python sources or
+    libraries, or in nanodist's; a name made up or misspelt fails here."""
+    import mmap
+
+    import torch
+    lab = _lab()
+    root = Path(torch.__file__).parent
+    sources = "\n".join(p.read_text(errors="ignore") for p in (root / "distributed").rglob("*.py"))
+    sources += "\n".join(p.read_text() for p in (LAB.parents[1] / "nanodist").rglob("*.py"))
+    libraries = [p for p in (root / "lib").glob("lib*.so*") if p.name.startswith(("libtorch_cpu", "libc10."))]
+    assert libraries, list((root / "lib").iterdir())
+    missing = []
+    for names, scope, what in lab.ENVIRONMENT:
+        assert what and scope, names
+        for name in names.split(", "):
+            assert re.fullmatch(r"[A-Z][A-Z0-9_]+", name), name
+            if scope == lab.GPU_ONLY or "GPU only" in scope or name in sources:
+                continue
+            found = False
+            for path in libraries:
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    found = found or m.find(name.encode()) >= 0
+            if not found:
+                missing.append(name)
+    assert not missing, f"not read by this torch or nanodist: {missing}"
+
+
+def test_a_log_for_the_exercises_keeps_the_tools_words_and_masks_the_labs_names():
+    lab = _lab()
+    out = ("[rank0]:[rank0]: RuntimeError: boom\n[rank1]:[rank1]: RuntimeError: boom\n"
+           "  File \"/x/lab07_debug.py\", line 3, in run_hang\n"
+           "[rank0]:[E1127 02:22:30.045876475 ProcessGroupGloo.cpp:67] [Rank 0]: Ranks 2 failed to pass monitoredBarrier\n"
+           "[rank1]:[rank 1] nanodist: waited 2 s in collective #9 (x): rank 0 is not in a collective (now at "
+           "faults.py:61 hang <- lab07_debug.py:102 <lambda> <- lab07_debug.py:90 _train)\n"
+           "torchrun noise\n"
+           "[rank2]:[rank2]: RuntimeError: Rank 2 is running collective: CollectiveFingerPrint(TensorShape=[4], "
+           "TensorDeviceTypes=TensorOptions(dtype=float (default), memory_format=(nullopt))), but Rank 1\n")
+    row = {"fault": "hang", "log": lab.tool_lines(out)}
+    assert row["log"][0] == "[rank0]:[rank0]: RuntimeError: boom" and len(row["log"]) == 4, row["log"]
+    assert row["log"][3].endswith("CollectiveFingerPrint(TensorShape=[4], TensorDeviceTypes=[...]), but Rank 1")
+    assert row["log"][1] == "[rank0]:[Rank 0]: Ranks 2 failed to pass monitoredBarrier", row["log"]
+    masked = lab.unlabelled(row)
+    assert "faults.py:61 hang <- [...] <- [...])" in masked[2] and "_train" not in masked[2], masked

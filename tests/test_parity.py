@@ -10,7 +10,7 @@ import torch
 from nanodist import parity
 from nanodist.testing import spawn
 
-SETUPS = ["ddp", "torch-ddp", "zero1", "zero2", "zero1-any", "muon", "fsdp", "fsdp2"]
+SETUPS = ["ddp", "torch-ddp", "zero1", "torch-zero1", "zero2", "zero1-any", "muon", "fsdp", "fsdp2"]
 # fp32 sums taken in another order (per rank, then across ranks): measured at most 1.3e-6 of the training's own
 # movement at W = 1, 2, 3 on an Intel Xeon (AVX-512); 1e-4 leaves a margin of ~75 for other kernels, and one
 # rank's gradient scaled by 1.001 gives 5e-4 or more (test_a_planted_error_fails below).
@@ -80,65 +80,23 @@ def test_the_model_has_what_users_models_have():
 
 # ----------------------------------------------------------------------------- the harness (Chapter 7)
 
-class ConvNet(torch.nn.Module):
-    """Another family: a small image classifier (convolutions, a group norm -- per sample, so data parallelism is
-    exact; a batch norm would need SyncBatchNorm -- and a linear head), forward(x, y) -> (logits, loss)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.norm = torch.nn.GroupNorm(2, 8)
-        self.conv2 = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1)
-        self.head = torch.nn.Linear(16, 10)
-
-    def forward(self, x, y):
-        h = torch.relu(self.conv2(torch.relu(self.norm(self.conv1(x)))))
-        logits = self.head(h.mean(dim=(2, 3)))
-        return logits, torch.nn.functional.cross_entropy(logits, y)
-
-
-def images(step, rank, world):
-    g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(12, 3, 8, 8, generator=g), torch.randint(0, 10, (12,), generator=g)
-    rows = 12 // world
-    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+def _lab07():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "labs" / "lab07_debug.py"
+    spec = importlib.util.spec_from_file_location("lab07_debug", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def harness_worker(rank, W):
-    import nanodist.ddp
-    import nanodist.optim.adamw as nd_adamw
-    out = {"user": parity.harness(), "conv": parity.harness(
-        model_fn=ConvNet, batches=images, optimizer=parity.OptimizerSpec(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-        setups=("ddp", "torch-ddp", "zero1", "zero2", "fsdp", "fsdp2"))}
-    if W == 1:
-        return out
-    # Three bugs the harness was not written against, each planted on rank 1 by monkeypatching:
-    # 1. DDP's bucket all-reduce sends a gradient 0.1 % too large
-    real_all_reduce = nanodist.ddp.all_reduce_sum
-
-    def loud(buffer, group, what="all-reduce"):
-        if rank == 1 and what.startswith("DDP all-reduce of bucket"):
-            buffer.mul_(1.001)
-        return real_all_reduce(buffer, group, what)
-    nanodist.ddp.all_reduce_sum = loud
-    out["loud-bucket"] = parity.harness(setups=("ddp",))
-    nanodist.ddp.all_reduce_sum = real_all_reduce
-    # 2. the data: rank 1 reads rank 0's rows (a shard index that ignores the rank)
-    out["same-rows"] = parity.harness(setups=("ddp",), batches=lambda s, r, w: parity.batch(s, 0, w))
-    # 3. ZeRO-2's update: rank 1 steps its shard with a learning rate about 1 % too large (1.01, or 1.01^2 where
-    #    one patched update function calls another)
-    real = {k: getattr(nd_adamw, k) for k in ("update", "foreach_update", "fused_update")}
-    for k, fn in real.items():
-        setattr(nd_adamw, k, lambda group, items, fn=fn: fn({**group, "lr": group["lr"] * (1.01 if rank == 1 else 1)},
-                                                             items))
-    out["fast-shard"] = parity.harness(setups=("zero2", "ddp"))
-    for k, fn in real.items():
-        setattr(nd_adamw, k, fn)
-    return out
+    """Lab 7's --parity demo: two families correct, then three bugs the harness was not written against, each
+    planted on rank 1 by monkeypatching (labs/lab07_debug.py, BUGS)."""
+    return _lab07().parity_demo(bad=1, rank=rank)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3])
+@pytest.fixture(scope="module", params=[1, 3])  # W = 2: Chapter 7 launches the demo and asserts the same
 def harnessed(request):
     return request.param, spawn(harness_worker, request.param, timeout=120)[0]
 
@@ -168,5 +126,5 @@ def test_the_harness_names_three_planted_bugs(harnessed):
     assert out["fast-shard"]["ddp"]["diverged"] is None  # torch's AdamW under DDP is not the patched update
     lines = io.StringIO()
     parity.print_harness(out["fast-shard"], file=lines)
-    assert f"zero2      DIVERGES at step 0: parameter {d['tensor']} is off by" in lines.getvalue()
-    assert "ddp        no divergence in 4 steps" in lines.getvalue()
+    assert f"{'zero2':12s} DIVERGES at step 0: parameter {d['tensor']} is off by" in lines.getvalue()
+    assert f"{'ddp':12s} no divergence in 4 steps" in lines.getvalue()

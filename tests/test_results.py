@@ -99,6 +99,8 @@ def test_aggregation_across_machines_and_labs(tmp_path):
     text = str(t.select("host", "world_size"))
     assert text.splitlines()[0].split() == ["host", "world_size"] and "gpu-box  2" in text
     assert t.select("host")._repr_html_().count("<tr>") == 3
+    assert t.select("host")._repr_html_().startswith("<table><thead>")  # scrolls sideways when wide (nanodist.css)
+    assert t.select("host").wrapped()._repr_html_().startswith('<table class="wrap"><thead>')  # a table of prose
 
 
 def test_a_bad_file_among_good_ones_is_skipped_and_named(tmp_path):

@@ -1,6 +1,6 @@
 """Link each chapter's first use of a glossary term to the glossary: {term}`DDP`, {term}`prefetching <prefetch>`.
 
-    python book/tools/link_terms.py            # chapters 3-6 and 8: the notebooks 3-4, the generators of 5, 6, 8
+    python book/tools/link_terms.py            # chapters 3-8: the notebooks 3-4, the generators of 5-8
     python book/tools/link_terms.py --check    # exit 1 if a chapter uses a term first without a link (CI)
 
 Only prose is touched: code, math, headings, links, roles ({glue:text}`...`) and existing links are left alone.
@@ -100,7 +100,7 @@ def main() -> int:
     args = p.parse_args()
     targets = [(BOOK / "03_ddp.ipynb", notebook), (BOOK / "04_zero.ipynb", notebook),
                (BOOK / "tools" / "make_05.py", generator), (BOOK / "tools" / "make_06.py", generator),
-               (BOOK / "tools" / "make_08.py", generator)]
+               (BOOK / "tools" / "make_07.py", generator), (BOOK / "tools" / "make_08.py", generator)]
     stale = [path.name for path, fn in targets if fn(path, write=not args.check)]
     if args.check and stale:
         print("first uses of glossary terms without a link in: " + ", ".join(stale)

@@ -1,0 +1,475 @@
+"""Writes book/07_debugging.ipynb (unexecuted): Chapter 7's cells, kept as code so the chapter can be reviewed in diffs.
+
+    python book/tools/make_07.py && jupyter nbconvert --to notebook --execute --inplace book/07_debugging.ipynb
+"""
+from chapter_cells import HIDDEN, SOLUTION, MACHINE, Chapter  # noqa: F401  (book/tools/chapter_cells.py)
+
+chapter = Chapter()
+md, code, exercise = chapter.md, chapter.code, chapter.exercise
+
+md(r"""
+# 7. Debugging and profiling: which rank, and why
+
+The questions people bring about distributed training are rarely "how does all-reduce work". They are
+"the job stopped printing an hour ago: which rank hung, and where?", "why does my loss differ from the
+single-GPU run?", "why is it slower than it should be?". A distributed bug has a property an ordinary bug
+lacks: the process that shows the symptom is usually not the one that caused it. The rank that raises a
+timeout is the one that waited, not the one that never came.
+
+This chapter turns the tools of the earlier chapters into a method. By the end of it you will be able to:
+- go from a symptom (a hang, a crash, a wrong loss, a growing memory) to its cause and the rank
+  responsible, with the tool that names it, for twelve classic failures, each planted on a rank chosen at
+  random and diagnosed on your machine;
+- triage a hang: every rank's Python stack, "who waits for whom" from each rank's collective sequence
+  numbers, and what `monitored_barrier`, `TORCH_DISTRIBUTED_DEBUG=DETAIL` and torch's flight recorder report
+  on gloo (and where they stop);
+- know which environment variable turns on which diagnostic, and which of them work only on GPUs;
+- record one real training step with `torch.profiler`, draw its compute and communication lanes, read off
+  how much communication hides under compute, and check the trace against nanodist's own record of the step;
+- run the parity harness on your own model: does {term}`DDP`, {term}`ZeRO` or {term}`FSDP` train it as one process would, and if
+  not, at which step and in which tensor does it first leave?
+
+**The code:** [`nanodist/diverge.py`](@REPOSITORY_URL@/blob/main/nanodist/diverge.py) (the watchdog),
+[`nanodist/check.py`](@REPOSITORY_URL@/blob/main/nanodist/check.py),
+[`nanodist/flight.py`](@REPOSITORY_URL@/blob/main/nanodist/flight.py),
+[`nanodist/profile.py`](@REPOSITORY_URL@/blob/main/nanodist/profile.py),
+[`nanodist/parity.py`](@REPOSITORY_URL@/blob/main/nanodist/parity.py) and the launcher's report in
+[`nanodist/launch.py`](@REPOSITORY_URL@/blob/main/nanodist/launch.py); **the lab:**
+[`labs/lab07_debug.py`](@REPOSITORY_URL@/blob/main/labs/lab07_debug.py), and `--profile` on Labs 3, 4 and 5.
+""")
+
+code(r"""
+import importlib.util
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed.constants
+from IPython.display import Markdown, display
+from myst_nb import glue
+
+import nanodist as nd
+from nanodist import experiment, parity, plots, profile
+from nanodist.exercises import check, expect
+from nanodist.launch import resolve_script
+from nanodist.results import REFERENCE_DIR, REPO_ROOT, Table, load, provenance, references
+
+spec = importlib.util.spec_from_file_location("lab07_debug", resolve_script("lab07_debug"))
+lab = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lab)  # the lab's faults, their readers and its tables, to show them here
+
+
+def short(line, width=150):
+    return line if len(line) <= width else line[:width - 5] + " [...]"
+""")
+
+md(r"""
+## Twelve failures, each on a rank chosen at random
+
+Lab 7 plants a classic failure on one rank of a small training run (2 ranks, or 3 where only a majority can
+say which rank is the odd one out), lets it fail, reads what the tools printed, and says which rank caused it.
+It never reads which rank it broke: the diagnosis comes from the tools' output alone, and the results file
+records both, so a wrong diagnosis would show. Each faulty run sets a collective timeout of
+{glue:text}`timeout_s` s (`NANODIST_TIMEOUT`), so a hang ends in seconds, not torch's default half hour.
+
+The cell below runs all twelve, each on a rank drawn at random every time the chapter runs
+(`python labs/lab07_debug.py --fault all` does the same from a shell):
+""")
+
+code(r"""
+glue("timeout_s", lab.TIMEOUT_S, display=False)
+glue("torch_timeout_min", round(torch.distributed.constants.default_pg_timeout.total_seconds() / 60), display=False)
+seed = random.randrange(2**31)
+triage = subprocess.run([sys.executable, str(resolve_script("lab07_debug")), "--fault", "all", "--seed", str(seed)],
+                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+written = re.search(r"^wrote (.+\.jsonl)$", triage.stdout, re.M)
+assert written, triage.stdout[-3000:] + triage.stderr[-3000:]
+run = load(REPO_ROOT / written.group(1))
+rows = {r["fault"]: r for r in run["metrics"]["faults"]}
+print(provenance(run, ranks="2 or 3 ranks per fault (the column 'ranks')"), "Seed", seed)
+Table({"fault": r["fault"], "ranks": r["world_size"], "planted on rank": r["planted_rank"],
+       "the tools named rank": r["diagnosed_rank"], "seconds": r["seconds"]} for r in rows.values())
+""", MACHINE)
+
+code(r"""
+# every fault named on the rank it was planted on, in bounded time: a hang within the timeout it set
+assert set(rows) == set(lab.FAULTS) and len(rows) == 12, rows.keys()  # "twelve" in the text
+for r in rows.values():
+    assert r["diagnosis"] is not None and r["diagnosed_rank"] == r["planted_rank"], r
+    assert r["seconds"] <= (15 if r["fault"] == "hang" else 30) + 5, r  # + starting the ranks
+print(f"{len(rows)} faults, each named on the rank it was planted on; the slowest took "
+      f"{max(r['seconds'] for r in rows.values()):.0f} s. The diagnoses:")
+for r in rows.values():
+    print(textwrap.fill(f"{r['fault']}: {r['diagnosis']}", 78, subsequent_indent="    "))
+""", MACHINE)
+
+md(r"""
+Each diagnosis is a rank and a reason read from one line of a tool's output: the *evidence* below. Port in use
+is the one failure without a rank: it happens before any rank starts.
+
+## From symptom to cause: a decision tree
+
+Start from what you see, not from what you suspect:
+
+1. **The run stops printing** (a hang). Ask where every rank is.
+   - One rank is *not in a collective* while the others wait in one: that rank is stuck in its own code (a
+     deadlock, a slow save, an `input()`); its stack says where. → *hang*
+   - Every rank is in a collective, but not the same one: their control flow diverged (one skipped a backward,
+     took a branch, ran one more step). → *skip-backward*
+   - Every rank is in the same collective, with different shapes or dtypes. → *mismatch*
+   - The ranks reached the end having called different numbers of collectives. → *no-sync-forward*
+2. **The run crashes.** The first rank to fail is the cause; the others fail because it left. torchrun's
+   report lists every failure; the launcher's root cause is the earliest. → *dead-peer*, *nan*, *port-in-use*
+3. **No error, but the numbers are wrong.**
+   - The replicas are not equal. → *desync*
+   - Samples are read twice, or never. → *set-epoch*, *uneven-data*
+   - The logged curve depends on which rank logs it. → *rank-local-metric*
+   - Everything agrees across ranks, yet differs from one process: run the parity harness (the last section).
+4. **Memory grows every step** on one rank. → *memory-blowup*
+
+Every branch, with the tool that decides it, and below the table what that tool printed on your machine in the
+run above:
+""")
+
+code(r"""
+assert all(r["evidence"] and lab.FAULTS[name].symptom and lab.FAULTS[name].tool for name, r in rows.items())
+display(Table({"symptom": lab.FAULTS[name].symptom, "fault": name, "the tool that names it": lab.FAULTS[name].tool}
+              for name in rows).wrapped())
+print("What each tool said here:")
+for name, r in rows.items():
+    print(textwrap.fill(f"{name}: {short(r['evidence'], 300)}", 78, subsequent_indent="    "))
+""", MACHINE)
+
+md(r"""
+## Hangs: who waits for whom
+
+A hang is the hardest failure to read, because nothing is printed: every rank that called the collective
+waits, and the one that did not call it is busy somewhere else. Three things make it speak.
+
+**A timeout that you choose.** torch's default collective timeout on gloo is {glue:text}`torch_timeout_min`
+minutes (shorter on NCCL): set one fitting your step time (`nd.init(timeout=...)`, or `NANODIST_TIMEOUT`), so a hang becomes an error.
+
+**A watchdog that asks every rank where it is.** nanodist numbers each collective a rank launches. When a
+collective has waited `NANODIST_STALL_S` seconds, the waiting ranks ask every rank, through the rendezvous
+store (not through the process group, which is the thing stuck), for its collective number and its
+Python stack. A rank whose last collective is behind the others' and that is not in one is the rank holding
+everyone up; ranks in *different* collectives have diverged. Here is what it printed for the hang above:
+""")
+
+code(r"""
+said = [line for line in rows["hang"]["log"] if "nanodist:" in line]
+assert any(f"rank {rows['hang']['planted_rank']} is not in a collective" in line for line in said), said
+waits, last = map(int, re.search(r"in collective #(\d+) .*\(last: #(\d+)", said[-1]).groups())
+assert last < waits, said[-1]
+glue("hang_waits", waits, display=False)
+glue("hang_last", last, display=False)
+for line in said:
+    print(textwrap.fill(line, 78, subsequent_indent="    "))
+""", MACHINE)
+
+md(r"""
+The collective numbers are the *who waits for whom*: the waiting ranks are in collective
+{glue:text}`hang_waits`, the missing one's last was {glue:text}`hang_last` and it is in none now, and its stack
+(`now at ...`) shows the line it is on.
+
+**Every rank's stack when the job is stopped.** When a launch runs past its own timeout,
+`nanodist.launch` asks each rank for its Python stack (`faulthandler`, through a signal the ranks
+register at start) and, when `py-spy` is installed, takes `py-spy dump` of each rank as well, which works
+even on a rank stuck in C++ where faulthandler cannot run. The same hang as above, with the watchdog off
+and the collective timeout long, stopped by the launcher instead:
+""")
+
+code(r"""
+hang_rank = random.randrange(2)
+try:
+    nd.launch("lab07_debug", nproc=2, echo=False, timeout=6, args=["--fault", "hang", "--rank", str(hang_rank)],
+              env={"NANODIST_STALL_S": "0", "NANODIST_TIMEOUT": "60"})
+    raise AssertionError("the hang finished")
+except nd.LaunchTimeout as e:
+    stopped = e
+where = str(stopped).split("Where each rank was", 1)[1]
+print("Where each rank was" + where[:1500])
+print(f"py-spy dumps: {sum('py-spy:' in ln for ln in stopped.output.splitlines())} lines in the output")
+stacks = {int(r): line for r, line in re.findall(r"rank (\d+): (.*)", where)}
+assert "hang" in stacks[hang_rank] and "hang" not in stacks[1 - hang_rank], stacks  # faults.hang on that rank only
+""", MACHINE)
+
+md(r"""
+**What torch itself offers, on gloo.** Three tools ship with torch; Lab 7 uses each where it works.
+
+- `torch.distributed.monitored_barrier(timeout=..., wait_all_ranks=True)`: a barrier in which rank 0
+  waits for each rank in turn and names those that did not arrive. It is implemented for gloo only, and it
+  is a collective like any other: it can only name a rank that is *late*, so put it at a point every rank
+  must reach (the end of an epoch, before a checkpoint).
+- `TORCH_DISTRIBUTED_DEBUG=DETAIL`: every collective first compares a fingerprint (operation, shapes,
+  dtypes) across the ranks, and a mismatch raises on every rank, naming both calls. It costs an extra
+  collective per call, and in torch 2.13 on gloo it crashes torch's own `DistributedDataParallel` at
+  construction: use it on a small reproduction, not on the run.
+- The flight recorder (`TORCH_FR_BUFFER_SIZE=N`): each process group keeps its last N collectives, their
+  sequence numbers, sizes and states. On NCCL it has long existed (dumped on a timeout with
+  `TORCH_NCCL_DUMP_ON_TIMEOUT=1`, read across ranks by torch's `fr_trace` tool); in torch 2.13 gloo's
+  process groups record too, and `nanodist.flight` reads them.
+
+What they said in the run above: the mismatch (DETAIL's fingerprints, the tensor shapes differing), and the
+forward outside `no_sync()` (the barrier naming the rank that never arrived; the flight recorder's count of
+collectives on every rank, one rank having called more):
+""")
+
+code(r"""
+for name, keep in (("mismatch", r"Detected mismatch"), ("no-sync-forward", r"monitoredBarrier|flight recorder")):
+    print(f"-- {name}")
+    seen = set()
+    for line in rows[name]["log"]:  # what each rank printed (the launcher's summary repeats it)
+        said = re.sub(r"^(\[rank\d+\]:)+ *(RuntimeError: )?", "", line)
+        if line.startswith("[rank") and re.search(keep, line) and said not in seen:
+            seen.add(said)
+            print(textwrap.fill(short(line, 400), 78, subsequent_indent="    "))
+    assert seen, rows[name]["log"]
+""", MACHINE)
+
+md(r"""
+**On GPUs, NCCL.** NCCL's own watchdog thread watches every collective; on a timeout torch tears the
+process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING`) and, with `TORCH_NCCL_DUMP_ON_TIMEOUT=1`, each rank first
+writes its flight recorder to a file, so that `fr_trace` can say which rank stopped at which collective.
+`NCCL_DEBUG=INFO` prints what NCCL chose (rings, trees, transports) and why a connection failed. None of
+this runs on a CPU: the table below marks it.
+
+## The environment variables
+
+Every diagnostic above is a variable away. Those marked GPU-only are read by NCCL or by torch's CUDA build;
+each of the others appears in the torch installed here or in nanodist (`tests/test_lab07.py` checks):
+""")
+
+code(r"""
+Table({"variable": name, "read by": scope, "what it does": what} for name, scope, what in lab.ENVIRONMENT).wrapped()
+""")
+
+md(r"""
+Set them for every rank: in the shell before `torchrun`, or in `nd.launch(..., env={...})`. Variables that torch
+reads when the process group is made (`TORCH_DISTRIBUTED_DEBUG`, `TORCH_FR_BUFFER_SIZE`) do nothing if set later.
+
+## A profiler trace of one step
+
+Whether a step is slow because of compute, communication, or communication that fails to hide under
+compute is a question for a profiler. `--profile` on Labs 3, 4 and 5 records one more step of the run under
+`torch.profiler` on every rank and exports a Chrome trace (open it in https://ui.perfetto.dev).
+`nanodist.profile.read_trace` reads it back as two lanes, compute and communication, and the list of
+collectives in the order they were launched; the fraction of the communication lane that has compute
+running beside it is the **overlap**.
+
+The same step of nanodist's DDP, 2 ranks, the small model, its gradients all-reduced by gloo as on a GPU
+(`--shared-memory off`: on CPU ranks nanodist otherwise reduces through shared memory, synchronously, in the
+backward's own thread), twice: with the default 25 MiB gradient buckets, and with buckets of half a megabyte:
+""")
+
+code(r"""
+PROFILE = ["--impl", "nanodist", "--model", "small", "--steps", "6", "--no-progress", "--profile", "--shared-memory", "off"]
+profiled = {mb: nd.launch("lab03_ddp", nproc=2, echo=False, args=PROFILE + ["--bucket-mb", str(mb)]).results
+            for mb in (25, 0.5)}
+traces = {}
+for mb, rec in profiled.items():
+    p = rec["metrics"]["profile"]["nanodist"][0]  # rank 0's
+    traces[mb] = profile.read_trace(Path(rec["_path"]).parent / p["trace"])  # beside the run's results file
+    print(f"buckets of {mb} MiB: {len(p['collectives'])} collectives traced, "
+          f"{len(p['own_record'])} in DDP's own record; "
+          f"profiled step {1e3 * p['profiled_step_s']:.1f} ms, unprofiled {1e3 * p['unprofiled_step_s']:.1f} ms")
+glue("profile_caption", Markdown(f"*{provenance(profiled[25])}*"), display=False)
+for mb, name in ((25, "overlap_25"), (0.5, "overlap_05")):
+    glue(name, 100 * traces[mb].overlap(), display=False)
+assert traces[0.5].overlap() > traces[25].overlap(), (traces[0.5].overlap(), traces[25].overlap())
+""", MACHINE)
+
+code(r"""
+h200 = [r for r in references("lab03_ddp") if r["device"] == "cuda" and r["world_size"] == 2
+        and "profile" in r["metrics"]][0]
+h200_trace = profile.read_trace(REFERENCE_DIR / "lab03_ddp" / (h200["metrics"]["profile"]["nanodist"][0]["trace"]
+                                                                + ".gz"))  # committed compressed
+assert h200_trace.device == "cuda" and h200_trace.collectives and all(t.collectives for t in traces.values())
+fig, axes = plt.subplots(3, 1, figsize=(6.6, 6.4))
+plots.trace_lanes(traces[25], axes[0], "your machine, 25 MiB buckets")
+plots.trace_lanes(traces[0.5], axes[1], "your machine, 0.5 MiB buckets")
+plots.trace_lanes(h200_trace, axes[2], "H200 (reference), 25 MiB buckets")
+fig.tight_layout()
+plots.show(fig)
+glue("h200_caption", Markdown(f"*{provenance(h200)}*"), display=False)
+for name, value in (("h200_compute_ms", h200_trace.busy_s("compute")), ("h200_step_ms", h200_trace.step_s),
+                    ("h200_comm_ms", h200_trace.busy_s("communication"))):
+    glue(name, 1e3 * value, display=False)
+""", MACHINE)
+
+md(r"""
+Top and middle: {glue:md}`profile_caption` Bottom: the reference run committed with the book, {glue:md}`h200_caption`
+Its two ranks share one GPU and talk through gloo, so the gradients travel through the host.
+
+Read the lanes. With one 25 MiB bucket the small model's whole gradient is one all-reduce, launched when the
+backward is over: nothing is left to hide it under but DDP's own last operations on the gradients
+({glue:text}`overlap_25:.0f` % of it under compute here).
+Cut into half-megabyte buckets, the all-reduces start while the backward still computes the earlier layers'
+gradients, which is the overlap Chapter 3 built DDP for ({glue:text}`overlap_05:.0f` %). On the GPU the
+kernels are short and far apart: they keep it busy {glue:text}`h200_compute_ms:.1f` ms of a
+{glue:text}`h200_step_ms:.1f` ms step (a model this small is bound by the host launching its kernels), and the
+{glue:text}`h200_comm_ms:.1f` ms all-reduce through the host starts after the backward's last kernel, with
+nothing left to hide it under.
+
+The trace and nanodist's own record must tell the same story. DDP records each bucket's all-reduce as it
+launches it (Chapter 3's timeline); the trace records the `c10d` operators the process group ran. The same
+collectives, in the same order, or the profile says where they part:
+""")
+
+code(r"""
+for mb, rec in profiled.items():
+    p = rec["metrics"]["profile"]["nanodist"][0]
+    print(f"{mb} MiB buckets:", experiment.profile_line(p).split("; ")[-1])
+    assert p["agreement"]["agrees"], p["agreement"]
+    assert 0 < p["ratio_profiled_vs_unprofiled"] < 10, p
+a = profiled[0.5]["metrics"]["profile"]["nanodist"][0]
+Table({"#": i + 1, "DDP's record": f"{kind} of {numel:,} elements",
+       "the trace": next((f"{c['kind']} of {c['numel']:,} elements at {1e3 * c['start_s']:.2f} ms"
+                          for c in a["collectives"] if (c["kind"], c["numel"]) == (kind, numel)), "missing")}
+      for i, (kind, numel) in enumerate(a["own_record"]))
+""", MACHINE)
+
+md(r"""
+The trace holds one collective more than DDP's record: the all-reduce of DDP's control numbers (which
+parameters got a gradient), which is not a gradient bucket. The check asks only that the record's collectives
+appear in the trace in the record's order. `tests/test_profile.py` checks the same for ZeRO-2
+(`labs/lab04_zero.py --profile`) and FSDP (`labs/lab05_fsdp.py --profile`), whose own records are the
+sync engine's buckets and FSDP's gather and reduce events.
+
+A profiled step is slower than an unprofiled one (the profiler records every operator): the lab prints both,
+and their ratio is the price of looking.
+
+## Is it the same training? The parity harness
+
+The hardest bugs raise no error: the run trains, a little worse than it should. The parity harness asks the
+question every data-parallel set-up must answer yes to: *does it train the model as one process would, on the
+same global batch?* Give it your model, your batches and your optimizer:
+
+```python
+import nanodist as nd
+from nanodist import parity
+
+nd.init()                                                  # under torchrun, on every rank
+report = parity.harness(model_fn=MyModel,                  # a fresh model, the same weights every call
+                        batches=my_batches,                # (step, rank, world_size) -> this rank's (x, y)
+                        optimizer=parity.OptimizerSpec(torch.optim.SGD, {"lr": 0.05}),
+                        steps=4)
+parity.print_harness(report)
+```
+
+It trains one process on the whole batch, then each set-up (nanodist's DDP, ZeRO-1, ZeRO-2 and FSDP, and
+torch's DDP, ZeRO-1 (`ZeroRedundancyOptimizer` under DDP) and FSDP2), and compares them step by step, in the order things happen: the loss, each
+gradient, the gradient norm, each parameter after the update. It reports the first step, quantity and tensor
+where a set-up leaves one process beyond a tolerance, or that none did. The tolerances are far above what
+summing in another order costs, and far below a gradient off by a thousandth.
+
+`labs/lab07_debug.py --parity` runs it on two families of models (the course's awkward `UserModel` with
+AdamW, and a small convolutional network with SGD and momentum), then plants three bugs by monkeypatching,
+each on one rank: DDP's bucket all-reduce sending gradients 0.1 % too large, a rank reading another rank's
+rows of the batch, and ZeRO-2 stepping one rank's {term}`shard` with a learning rate 1 % too large:
+""")
+
+code(r"""
+parity_run = nd.launch("lab07_debug", nproc=2, echo=False, args=["--parity"]).results
+demo = parity_run["metrics"]["parity"]
+print(provenance(parity_run))
+for case, report in demo["reports"].items():
+    print(f"== {demo['about'][case]}")
+    parity.print_harness(report)
+reports = demo["reports"]
+for family in ("user", "conv"):  # correct set-ups: no divergence (ZeRO-2 is DistAdamW's: not SGD, and says so)
+    for name, r in reports[family].items():
+        assert r.get("diverged") is None and ("skipped" in r) == (family == "conv" and name == "zero2"), (name, r)
+found = {bug: reports[bug][setup]["diverged"] for bug, setup in
+         (("loud-bucket", "ddp"), ("same-rows", "ddp"), ("fast-shard", "zero2"))}
+assert (found["loud-bucket"]["step"], found["loud-bucket"]["quantity"]) == (0, "gradient")
+assert (found["same-rows"]["step"], found["same-rows"]["quantity"]) == (0, "loss")
+assert (found["fast-shard"]["step"], found["fast-shard"]["quantity"]) == (0, "parameters")
+assert reports["fast-shard"]["ddp"]["diverged"] is None  # torch's AdamW under DDP: not the patched update
+""", MACHINE)
+
+md(r"""
+Each bug is found where it enters. The loud bucket corrupts a gradient before any update, so the gradient is
+the first thing off, at the first step. The wrong rows change the data, so the loss itself is off before any
+gradient is computed. The fast shard leaves every gradient right and corrupts the parameters its rank updates,
+so the first thing off is a parameter after the first step, while DDP beside it, which does not use the
+patched update, stays equal. *Where* a divergence first appears points at the code to read.
+
+Two limits. ZeRO-2 and FSDP do not hold whole gradients after the backward, so their gradients are not
+compared (the report says so), only what follows from them. And the harness compares averaged-gradient
+training: a set-up that is *meant* to differ from one process (a different learning rate per rank, local
+SGD, a lossy compression of the gradients) needs its own reference.
+
+## Exercises
+
+Three logs from the run at the top of this chapter, with the lab's own names masked: what the tools printed,
+and nothing else. For each, name the fault (one of the names in the lab's table: `lab.FAULTS`) and the rank
+that caused it, as `answer = ("fault name", rank)`.
+""")
+
+LOGS = {"7.1": "skip-backward", "7.2": "set-epoch", "7.3": "no-sync-forward"}
+code(r"""
+LOGS = """ + repr(LOGS) + r"""
+
+
+def show(exercise):
+    lines = lab.unlabelled(rows[LOGS[exercise]])
+    for line in lines:
+        print(textwrap.fill(short(line, 330), 78, subsequent_indent="    "))
+    return lines
+""")
+
+HINTS = {
+    "7.1": "Find the line where each rank says which collective it waits in. Two ranks agree; what is the third "
+           "one doing, and what must it have skipped to be there?",
+    "7.2": "Nothing hung and nothing crashed: the check that failed counts which rank read which sample. Which "
+           "rank appears in every repeated sample, and what makes a sampler repeat last epoch's order?",
+    "7.3": "The barrier at the end names who did not arrive, and the flight recorder counts each rank's "
+           "collectives. Which rank called more, and in a gradient-accumulation loop, what makes a micro-step "
+           "synchronise when it should not?",
+}
+SOLUTIONS = {
+    "7.1": "# The watchdog: two ranks wait in DDP's all-reduce of a bucket (they ran a backward); one waits in the next\n"
+           "# step's buffer broadcast: it skipped the backward and went on. That rank is the cause.\n",
+    "7.2": "# Every duplicated index lists one rank in common: its sampler reads epoch 0's order again -- it never\n"
+           "# called sampler.set_epoch(epoch).\n",
+    "7.3": "# The barrier names the rank that never arrived (or, if it is rank 0, every other rank names it), and the\n"
+           "# flight recorder shows it called more collectives: its forward ran outside no_sync(), so its backward\n"
+           "# all-reduced in a micro-step where the others' did not.\n",
+}
+for key, fault in LOGS.items():
+    md(f"**{key[2:]}.** The log:")
+    code(f"log = show({key!r})\nassert log  # the lines the tools printed", MACHINE)
+    exercise(
+        key,
+        "Which fault, and which rank?",
+        f"(rows[LOGS[{key!r}]]['fault'], rows[LOGS[{key!r}]]['planted_rank'])",
+        "answer = (..., ...)  # (the fault's name in lab.FAULTS, the rank)",
+        HINTS[key],
+        SOLUTIONS[key] + f"answer = ({fault!r}, lab.FAULTS[{fault!r}].diagnose('\\n'.join(rows[LOGS[{key!r}]]['log']))[0])",
+    )
+
+md(r"""
+## Summary
+
+- A distributed failure shows on the ranks that waited, not on the one that caused it. Start from the
+  symptom (a hang, a crash, wrong numbers, growing memory) and ask the tool that decides the branch.
+- A hang needs a timeout you chose, then: which rank is not in a collective (nanodist's watchdog), which
+  ranks are in different collectives, every rank's stack (faulthandler; py-spy for a rank stuck in C++).
+- On gloo, `monitored_barrier` names a late rank, `TORCH_DISTRIBUTED_DEBUG=DETAIL` a mismatched collective
+  (not under torch's DDP in torch 2.13), and the flight recorder (`TORCH_FR_BUFFER_SIZE`) each rank's
+  collectives. On NCCL, the watchdog, `TORCH_NCCL_DUMP_ON_TIMEOUT` and `NCCL_DEBUG` do the rest.
+- Silent errors are found by checking what must hold: equal replicas (`assert_params_in_sync`), each sample
+  read once (`check_sampler_exactly_once`), the same logged value on every rank (`assert_same_across_ranks`),
+  and the same training as one process (the parity harness).
+- `--profile` records one step with `torch.profiler`: its lanes show how much communication hides under
+  compute, and the trace agrees with nanodist's own record of the step.
+""")
+
+chapter.write("07_debugging.ipynb")
