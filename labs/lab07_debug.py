@@ -64,7 +64,7 @@ from nanodist.results import Recorder  # noqa: E402
 
 TIMEOUT_S = 5  # the collective timeout of a faulty run: a hang is over well within the demo's 15 s
 STEPS = 4
-PLANT_AT = 2  # the step at which a fault strikes
+PLANT_AT = 2  # the step at which a fault strikes (--at changes it)
 MEMORY_STEPS = 8
 
 
@@ -369,9 +369,9 @@ def diagnose_no_sync_forward(output: str):
     count = f" (the flight recorder: it called {called[rank]} collectives, the others " \
             f"{', '.join(str(n) for r, n in sorted(called.items()) if r != rank)})" \
         if rank in called and len(called) > 1 else ""
-    return rank, "never reached the final barrier: it was still in an all-reduce the others never called -- it ran " \
-                 "more all-reduces than they did (its backward synchronised in a micro-step theirs kept local: a " \
-                 "forward outside no_sync())" + count, evidence
+    return rank, "never reached the final barrier: it was still in a collective no other rank would call -- it " \
+                 "called more collectives than they did (its backward all-reduced in a micro-step where theirs " \
+                 "stayed local: a forward outside no_sync())" + count, evidence
 
 
 def diagnose_memory_blowup(output: str):
@@ -453,10 +453,11 @@ ENVIRONMENT = [
      "every rank where it is, and names the one that is not in a collective or the ones in another collective"),
     ("NANODIST_CHECK_COLLECTIVES", "nanodist", "nanodist's collectives compare shapes and dtypes across the ranks "
      "before they run (on unless 0)"),
-    ("TORCH_DISTRIBUTED_DEBUG", "torch, any backend", "INFO or DETAIL: DETAIL wraps each process group so that every "
-     "collective first compares a fingerprint (operation, shapes, dtypes) across the ranks and raises on a "
-     "mismatch, naming both ranks' calls; it costs an extra collective per call. In torch 2.13 on gloo it crashes "
-     "torch's own DDP at construction (Lab 7's no-sync-forward uses monitored_barrier instead)"),
+    ("TORCH_DISTRIBUTED_DEBUG", "torch, any backend", "INFO or DETAIL: DETAIL wraps each process group so that before "
+     "every collective the ranks pass a monitored barrier and compare a fingerprint (operation, shapes, dtypes) on "
+     "a helper gloo group, raising on a mismatch and naming both ranks' calls: two extra exchanges per call. In "
+     "torch 2.13 on gloo it crashes torch's own DDP at construction (Lab 7's no-sync-forward uses "
+     "monitored_barrier instead)"),
     ("TORCH_FR_BUFFER_SIZE", "torch, any backend", "the flight recorder: each process group keeps its last N "
      "collectives (0, the default: none); gloo's too in torch 2.13 (nanodist.flight reads it)"),
     ("TORCH_SHOW_CPP_STACKTRACES", "torch", "1: an error raised in C++ carries the C++ stack"),
@@ -469,7 +470,8 @@ ENVIRONMENT = [
     ("TORCH_NCCL_ASYNC_ERROR_HANDLING", GPU_ONLY, "whether a failed or timed-out NCCL collective takes its process "
      "down (the default) rather than leaving it hung"),
     ("TORCH_NCCL_BLOCKING_WAIT", GPU_ONLY, "1: work.wait() blocks the calling thread and raises the timeout there"),
-    ("TORCH_NCCL_TRACE_BUFFER_SIZE", GPU_ONLY, "the NCCL flight recorder's size (TORCH_FR_BUFFER_SIZE's older name)"),
+    ("TORCH_NCCL_TRACE_BUFFER_SIZE", "torch, any backend", "TORCH_FR_BUFFER_SIZE's older name, read where that is "
+     "not set (it began as NCCL's)"),
     ("TORCH_NCCL_DUMP_ON_TIMEOUT", GPU_ONLY, "1: on a timeout every rank dumps its flight recorder to "
      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE, one file per rank, for torch's fr_trace tool to compare"),
     ("TORCH_NCCL_ENABLE_MONITORING", GPU_ONLY, "the heartbeat monitor that ends a process whose NCCL watchdog is "
@@ -496,14 +498,14 @@ FAMILIES = {
 
 
 @contextlib.contextmanager
-def _loud_bucket(bad: int, rank: int):
-    """DDP's bucket all-reduce: rank `bad` sends its gradients 0.1 % too large."""
+def _loud_bucket(bad: int, rank: int, scale: float = 1.001):
+    """DDP's bucket all-reduce: rank `bad` sends its gradients `scale` times too large (0.1 % by default)."""
     import nanodist.ddp
     real = nanodist.ddp.all_reduce_sum
 
     def loud(buffer, group, what="all-reduce"):
         if rank == bad and what.startswith("DDP all-reduce of bucket"):
-            buffer.mul_(1.001)
+            buffer.mul_(scale)
         return real(buffer, group, what)
     nanodist.ddp.all_reduce_sum = loud
     try:
@@ -541,16 +543,19 @@ BUGS = {  # planted by monkeypatching, on one rank: nothing in nanodist.parity k
 }
 
 
-def parity_demo(bad: int, rank: int, steps: int = 4) -> dict:
+def parity_demo(bad: int, rank: int, steps: int = 4, cases=None, loud: float = 1.001) -> dict:
     """The parity harness on both families (correct set-ups: every one of nanodist's and torch's), then on each
-    planted bug (on rank `bad`, the set-ups it touches); {case: harness report}. A collective: every rank."""
+    planted bug (on rank `bad`, the set-ups it touches; the loud bucket's scale `loud`); {case: harness report}.
+    `cases`: which of FAMILIES and BUGS (default: all). A collective: every rank."""
     out = {}
     for name, (_, model_fn, batches, optimizer) in FAMILIES.items():
-        out[name] = parity.harness(model_fn=model_fn, batches=batches, optimizer=optimizer, steps=steps)
+        if cases is None or name in cases:
+            out[name] = parity.harness(model_fn=model_fn, batches=batches, optimizer=optimizer, steps=steps)
     if dist_size() > 1:
         for name, (_, plant) in BUGS.items():
-            with plant(bad, rank) as kwargs:
-                out[name] = parity.harness(steps=steps, **kwargs)
+            if cases is None or name in cases:
+                with plant(bad, rank, **({"scale": loud} if name == "loud-bucket" else {})) as kwargs:
+                    out[name] = parity.harness(steps=steps, **kwargs)
     return out
 
 
@@ -565,8 +570,9 @@ def run_parity(args) -> None:
     bad = args.rank if args.rank is not None else group.size - 1
     if not 0 <= bad < group.size:
         raise SystemExit(f"lab07: --rank {bad}: this launch has ranks 0 to {group.size - 1}")
-    out = parity_demo(bad, group.rank)
+    out = parity_demo(bad, group.rank, cases=args.cases, loud=args.loud)
     about = {k: v[0] for k, v in FAMILIES.items()} | {k: f"{v[0]} (rank {bad})" for k, v in BUGS.items()}
+    about["loud-bucket"] = about["loud-bucket"].replace("0.1 %", f"{100 * (args.loud - 1):g} %")
     if group.rank == 0:
         for name, report in out.items():
             print(f"== {name}: {about[name]}")
@@ -657,8 +663,8 @@ def _taken_port_run(world: int) -> tuple[str, bool]:
 
 def _launch(fault: Fault, bad: int, env: dict) -> tuple[str, bool]:
     try:
-        run = nd.launch(__file__, nproc=fault.world, args=["--fault", fault.name, "--rank", str(bad)], timeout=60,
-                        env=env, echo=False)
+        run = nd.launch(__file__, nproc=fault.world, timeout=60, env=env, echo=False,
+                        args=["--fault", fault.name, "--rank", str(bad), "--at", str(PLANT_AT)])
         return run.output, False
     except nd.LaunchTimeout as e:
         return f"{e}\n{e.output}\n(lab07: the faulty run ran past 60 s and was killed)", True
@@ -667,36 +673,48 @@ def _launch(fault: Fault, bad: int, env: dict) -> tuple[str, bool]:
 
 
 def main() -> int:
+    global PLANT_AT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--fault", choices=list(FAULTS) + ["all"])
+    what.add_argument("--fault", nargs="+", choices=list(FAULTS) + ["all"],
+                      help="one fault (under torchrun), or several, or all (the triage)")
     what.add_argument("--parity", action="store_true", help="under torchrun: the parity harness on two model "
                       "families, correct and with three bugs planted on --rank (default: the last rank)")
     p.add_argument("--rank", type=int, default=None, help="the rank to plant the fault on (default: a random one)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random choice of rank")
+    p.add_argument("--at", type=int, default=PLANT_AT, help=f"the step at which hang, dead-peer, nan and "
+                   f"skip-backward strike (0 to {STEPS - 1}; default {PLANT_AT})")
+    p.add_argument("--cases", nargs="+", choices=list(FAMILIES) + list(BUGS), default=None,
+                   help="--parity: the families and bugs to run (default: all)")
+    p.add_argument("--loud", type=float, default=1.001,
+                   help="--parity: the factor the loud-bucket bug scales one rank's gradients by (default 1.001)")
     args = p.parse_args()
+    if not 0 <= args.at < STEPS:
+        p.error(f"--at {args.at}: a fault strikes at a step from 0 to {STEPS - 1}")
+    PLANT_AT = args.at  # read by the faulty runs below, and passed on by the triage
     if args.parity:
         if "RANK" not in os.environ:
             p.error("--parity runs on every rank: torchrun --nproc_per_node=2 labs/lab07_debug.py --parity")
         run_parity(args)
         return 0
     if "RANK" in os.environ:  # a rank of the faulty run
-        if args.fault == "all" or args.rank is None:
+        if len(args.fault) != 1 or args.fault == ["all"] or args.rank is None:
             p.error("under torchrun, give one --fault and its --rank")
-        fault, world = FAULTS[args.fault], int(os.environ["WORLD_SIZE"])
+        name = args.fault[0]
+        fault, world = FAULTS[name], int(os.environ["WORLD_SIZE"])
         if fault.run is None:
-            p.error(f"--fault {args.fault} happens before any rank starts: run it without torchrun")
+            p.error(f"--fault {name} happens before any rank starts: run it without torchrun")
         if not 0 <= args.rank < world:
             p.error(f"--rank {args.rank}: this launch has ranks 0 to {world - 1}")
         if world != fault.world:
-            print(f"lab07: {args.fault} is diagnosed from {fault.world} ranks; at {world} the tools' report may not "
+            print(f"lab07: {name} is diagnosed from {fault.world} ranks; at {world} the tools' report may not "
                   f"single out one rank", file=sys.stderr)
         os.environ.setdefault("NANODIST_TIMEOUT", str(TIMEOUT_S))
         nd.init()
-        FAULTS[args.fault].run(args.rank)
+        fault.run(args.rank)
         nd.shutdown()
         return 0
-    names = list(FAULTS) if args.fault == "all" else [args.fault]
+    names = list(FAULTS) if "all" in args.fault else list(dict.fromkeys(args.fault))
     too_big = [n for n in names if FAULTS[n].run and not 0 <= (args.rank or 0) < FAULTS[n].world]
     if args.rank is not None and too_big:
         p.error(f"--rank {args.rank}: {', '.join(f'{n} runs on ranks 0 to {FAULTS[n].world - 1}' for n in too_big)}")

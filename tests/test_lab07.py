@@ -35,7 +35,7 @@ WHAT = {"hang": "hangs outside any collective", "dead-peer": "was killed by SIGK
         "skip-backward": "waits in DDP buffer broadcast while the others wait in DDP all-reduce of bucket 0",
         "set-epoch": "reads samples the other ranks read too",
         "rank-local-metric": "logs a rank-local value: the logged loss at step 0 differs",
-        "no-sync-forward": "never reached the final barrier: it was still in an all-reduce the others never called",
+        "no-sync-forward": "never reached the final barrier: it was still in a collective no other rank would call",
         "memory-blowup": "its memory grows"}
 
 
@@ -193,3 +193,14 @@ def test_a_log_for_the_exercises_keeps_the_tools_words_and_masks_the_labs_names(
     assert row["log"][1] == "[rank0]:[Rank 0]: Ranks 2 failed to pass monitoredBarrier", row["log"]
     masked = lab.unlabelled(row)
     assert "faults.py:61 hang <- [...] <- [...])" in masked[2] and "_train" not in masked[2], masked
+
+
+def test_detail_crashes_torchs_ddp_on_gloo_as_the_chapter_and_the_lab_say():
+    """Chapter 7 and Lab 7 (its no-sync-forward fault uses monitored_barrier instead) say that in torch 2.13
+    TORCH_DISTRIBUTED_DEBUG=DETAIL crashes torch's DDP on gloo at construction. When a torch fixes it, this fails:
+    then say so there, and let the lab use DETAIL."""
+    import nanodist as nd
+    script = Path(__file__).resolve().parent / "scripts" / "detail_ddp.py"
+    with pytest.raises(nd.LaunchError) as crash:
+        nd.launch(script, nproc=2, echo=False, timeout=60, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert "SIGSEGV" in str(crash.value) + crash.value.output, str(crash.value)[-2000:]

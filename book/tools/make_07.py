@@ -40,6 +40,7 @@ This chapter turns the tools of the earlier chapters into a method. By the end o
 
 code(r"""
 import importlib.util
+import inspect
 import os
 import random
 import re
@@ -56,7 +57,7 @@ from myst_nb import glue
 
 import nanodist as nd
 from nanodist import experiment, parity, plots, profile
-from nanodist.exercises import check, expect
+from nanodist.exercises import check, compare, expect
 from nanodist.launch import resolve_script
 from nanodist.results import REFERENCE_DIR, REPO_ROOT, Table, load, provenance, references
 
@@ -84,6 +85,7 @@ The cell below runs all twelve, each on a rank drawn at random every time the ch
 
 code(r"""
 glue("timeout_s", lab.TIMEOUT_S, display=False)
+glue("plant_at", lab.PLANT_AT, display=False)
 glue("torch_timeout_min", round(torch.distributed.constants.default_pg_timeout.total_seconds() / 60), display=False)
 seed = random.randrange(2**31)
 triage = subprocess.run([sys.executable, str(resolve_script("lab07_debug")), "--fault", "all", "--seed", str(seed)],
@@ -123,9 +125,13 @@ Start from what you see, not from what you suspect:
    - Every rank is in a collective, but not the same one: their control flow diverged (one skipped a backward,
      took a branch, ran one more step). → *skip-backward*
    - Every rank is in the same collective, with different shapes or dtypes. → *mismatch*
-   - The ranks reached the end having called different numbers of collectives. → *no-sync-forward*
-2. **The run crashes.** The first rank to fail is the cause; the others fail because it left. torchrun's
-   report lists every failure; the launcher's root cause is the earliest. → *dead-peer*, *nan*, *port-in-use*
+   - The run hangs at a point every rank must reach (a barrier, a checkpoint), one rank still inside a
+     collective: the ranks called different numbers of collectives, and the extra calls paired up with the
+     wrong partners silently until then. → *no-sync-forward*
+2. **The run crashes.** When a rank *dies* (a signal, the out-of-memory killer), the first rank to fail is the
+   cause and the others fail because it left: the launcher's root-cause report names it. → *dead-peer* When
+   every rank raises the same error, the first to exit is only the fastest: read the rank the message names.
+   → *nan* And a launch can fail before any rank exists. → *port-in-use*
 3. **No error, but the numbers are wrong.**
    - The replicas are not equal. → *desync*
    - Samples are read twice, or never. → *set-epoch*, *uneven-data*
@@ -165,10 +171,10 @@ everyone up; ranks in *different* collectives have diverged. Here is what it pri
 code(r"""
 said = [line for line in rows["hang"]["log"] if "nanodist:" in line]
 assert any(f"rank {rows['hang']['planted_rank']} is not in a collective" in line for line in said), said
-waits, last = map(int, re.search(r"in collective #(\d+) .*\(last: #(\d+)", said[-1]).groups())
-assert last < waits, said[-1]
-glue("hang_waits", waits, display=False)
-glue("hang_last", last, display=False)
+hang_waits, hang_last = map(int, re.search(r"in collective #(\d+) .*\(last: #(\d+)", said[-1]).groups())
+assert hang_last < hang_waits, said[-1]
+glue("hang_waits", hang_waits, display=False)
+glue("hang_last", hang_last, display=False)
 for line in said:
     print(textwrap.fill(line, 78, subsequent_indent="    "))
 """, MACHINE)
@@ -180,8 +186,9 @@ The collective numbers are the *who waits for whom*: the waiting ranks are in co
 
 **Every rank's stack when the job is stopped.** When a launch runs past its own timeout,
 `nanodist.launch` asks each rank for its Python stack (`faulthandler`, through a signal the ranks
-register at start) and, when `py-spy` is installed, takes `py-spy dump` of each rank as well, which works
-even on a rank stuck in C++ where faulthandler cannot run. The same hang as above, with the watchdog off
+register at start) and, when `py-spy` is installed, takes `py-spy dump` of each rank as well: py-spy reads a
+process from outside, so it needs nothing registered in advance and works on any Python process (`py-spy dump
+--native --pid PID` adds the C++ frames). The same hang as above, with the watchdog off
 and the collective timeout long, stopped by the launcher instead:
 """)
 
@@ -195,7 +202,14 @@ except nd.LaunchTimeout as e:
     stopped = e
 where = str(stopped).split("Where each rank was", 1)[1]
 print("Where each rank was" + where[:1500])
-print(f"py-spy dumps: {sum('py-spy:' in ln for ln in stopped.output.splitlines())} lines in the output")
+spied = [re.sub(r"\x1b\[[0-9;]*m", "", ln.split("py-spy:", 1)[1])  # without py-spy's colours
+         for ln in stopped.output.splitlines() if ln.startswith(f"[rank{hang_rank}]:py-spy:")]
+main = next((i for i, ln in enumerate(spied) if "MainThread" in ln), None)
+if main is None:
+    print("(py-spy is not installed here: pip install py-spy)")
+else:
+    print(f"py-spy's dump of rank {hang_rank}, its main thread:")
+    print("\n".join(spied[main:main + 6]))
 stacks = {int(r): line for r, line in re.findall(r"rank (\d+): (.*)", where)}
 assert "hang" in stacks[hang_rank] and "hang" not in stacks[1 - hang_rank], stacks  # faults.hang on that rank only
 """, MACHINE)
@@ -207,14 +221,17 @@ md(r"""
   waits for each rank in turn and names those that did not arrive. It is implemented for gloo only, and it
   is a collective like any other: it can only name a rank that is *late*, so put it at a point every rank
   must reach (the end of an epoch, before a checkpoint).
-- `TORCH_DISTRIBUTED_DEBUG=DETAIL`: every collective first compares a fingerprint (operation, shapes,
-  dtypes) across the ranks, and a mismatch raises on every rank, naming both calls. It costs an extra
-  collective per call, and in torch 2.13 on gloo it crashes torch's own `DistributedDataParallel` at
-  construction: use it on a small reproduction, not on the run.
+- `TORCH_DISTRIBUTED_DEBUG=DETAIL`: before every collective the ranks pass a monitored barrier and compare a
+  fingerprint (operation, shapes, dtypes) on a helper gloo group, and a mismatch raises on every rank, naming
+  both calls. That is two extra exchanges per call, and in torch 2.13 on gloo it crashes torch's own
+  `DistributedDataParallel` at construction (a segmentation fault; `tests/test_lab07.py` checks that it
+  still does): use it on a small reproduction, not on the run.
 - The flight recorder (`TORCH_FR_BUFFER_SIZE=N`): each process group keeps its last N collectives, their
-  sequence numbers, sizes and states. On NCCL it has long existed (dumped on a timeout with
-  `TORCH_NCCL_DUMP_ON_TIMEOUT=1`, read across ranks by torch's `fr_trace` tool); in torch 2.13 gloo's
-  process groups record too, and `nanodist.flight` reads them.
+  sequence numbers and sizes. On NCCL it has long existed, with each entry's state (scheduled, started,
+  completed), dumped on a timeout with `TORCH_NCCL_DUMP_ON_TIMEOUT=1` and read across ranks by torch's
+  `fr_trace` tool. In torch 2.13 gloo's process groups record too, and `nanodist.flight` reads them; on gloo
+  an entry's state stays "scheduled", so the recorder says which collectives a rank *called*, not which
+  finished.
 
 What they said in the run above: the mismatch (DETAIL's fingerprints, the tensor shapes differing), and the
 forward outside `no_sync()` (the barrier naming the rank that never arrived; the flight recorder's count of
@@ -234,7 +251,7 @@ for name, keep in (("mismatch", r"Detected mismatch"), ("no-sync-forward", r"mon
 """, MACHINE)
 
 md(r"""
-**On GPUs, NCCL.** NCCL's own watchdog thread watches every collective; on a timeout torch tears the
+**On GPUs, NCCL.** torch's NCCL process group runs a watchdog thread that watches every collective; on a timeout torch tears the
 process down (`TORCH_NCCL_ASYNC_ERROR_HANDLING`) and, with `TORCH_NCCL_DUMP_ON_TIMEOUT=1`, each rank first
 writes its flight recorder to a file, so that `fr_trace` can say which rank stopped at which collective.
 `NCCL_DEBUG=INFO` prints what NCCL chose (rings, trees, transports) and why a connection failed. None of
@@ -263,6 +280,22 @@ compute is a question for a profiler. `--profile` on Labs 3, 4 and 5 records one
 collectives in the order they were launched; the fraction of the communication lane that has compute
 running beside it is the **overlap**.
 
+The profiler is torch's own, and the code is what you would write at work: a `torch.profiler.profile` around
+one step (CUDA too on a GPU; `record_shapes` keeps each collective's tensor sizes), a labelled span to find the
+step by, and `export_chrome_trace`. These are the lines of `nanodist.experiment.profile_step` that do it:
+""")
+
+code(r"""
+source = inspect.getsource(experiment.profile_step).splitlines()
+start = next(i for i, line in enumerate(source) if "activities = " in line)
+stop = next(i for i, line in enumerate(source) if "profiled = step()" in line)
+export = next(line for line in source if "export_chrome_trace" in line)
+print(textwrap.dedent("\n".join(source[start:stop + 1])))
+print("...")
+print(export.strip())
+""")
+
+md(r"""
 The same step of nanodist's DDP, 2 ranks, the small model, its gradients all-reduced by gloo as on a GPU
 (`--shared-memory off`: on CPU ranks nanodist otherwise reduces through shared memory, synchronously, in the
 backward's own thread), twice: with the default 25 MiB gradient buckets, and with buckets of half a megabyte:
@@ -280,8 +313,9 @@ for mb, rec in profiled.items():
           f"{len(p['own_record'])} in DDP's own record; "
           f"profiled step {1e3 * p['profiled_step_s']:.1f} ms, unprofiled {1e3 * p['unprofiled_step_s']:.1f} ms")
 glue("profile_caption", Markdown(f"*{provenance(profiled[25])}*"), display=False)
-for mb, name in ((25, "overlap_25"), (0.5, "overlap_05")):
-    glue(name, 100 * traces[mb].overlap(), display=False)
+for mb, name in ((25, "25"), (0.5, "05")):
+    glue(f"overlap_{name}", 100 * traces[mb].overlap(), display=False)
+    glue(f"step_{name}_ms", 1e3 * profiled[mb]["metrics"]["profile"]["nanodist"][0]["unprofiled_step_s"], display=False)
 assert traces[0.5].overlap() > traces[25].overlap(), (traces[0.5].overlap(), traces[25].overlap())
 """, MACHINE)
 
@@ -311,11 +345,15 @@ Read the lanes. With one 25 MiB bucket the small model's whole gradient is one a
 backward is over: nothing is left to hide it under but DDP's own last operations on the gradients
 ({glue:text}`overlap_25:.0f` % of it under compute here).
 Cut into half-megabyte buckets, the all-reduces start while the backward still computes the earlier layers'
-gradients, which is the overlap Chapter 3 built DDP for ({glue:text}`overlap_05:.0f` %). On the GPU the
+gradients, which is the overlap Chapter 3 built DDP for ({glue:text}`overlap_05:.0f` %). More overlap is not
+a faster step here: on 2 cores gloo's thread takes its core from the compute it runs beside (unprofiled, the
+step took {glue:text}`step_25_ms:.1f` ms with one bucket and {glue:text}`step_05_ms:.1f` ms with the small ones).
+Overlap pays where the network is a device of its own, as a GPU's is. On the GPU the
 kernels are short and far apart: they keep it busy {glue:text}`h200_compute_ms:.1f` ms of a
-{glue:text}`h200_step_ms:.1f` ms step (a model this small is bound by the host launching its kernels), and the
-{glue:text}`h200_comm_ms:.1f` ms all-reduce through the host starts after the backward's last kernel, with
-nothing left to hide it under.
+{glue:text}`h200_step_ms:.1f` ms profiled step (a model this small leaves the GPU waiting for the host most of
+the time), and the {glue:text}`h200_comm_ms:.1f` ms all-reduce through the host starts after the backward's last
+kernel, with nothing left to hide it under. No NCCL kernel is in this trace: its two ranks share one GPU and
+talk through gloo. A trace of NCCL's overlap needs two GPUs.
 
 The trace and nanodist's own record must tell the same story. DDP records each bucket's all-reduce as it
 launches it (Chapter 3's timeline); the trace records the `c10d` operators the process group ran. The same
@@ -329,15 +367,21 @@ for mb, rec in profiled.items():
     assert p["agreement"]["agrees"], p["agreement"]
     assert 0 < p["ratio_profiled_vs_unprofiled"] < 10, p
 a = profiled[0.5]["metrics"]["profile"]["nanodist"][0]
-Table({"#": i + 1, "DDP's record": f"{kind} of {numel:,} elements",
-       "the trace": next((f"{c['kind']} of {c['numel']:,} elements at {1e3 * c['start_s']:.2f} ms"
-                          for c in a["collectives"] if (c["kind"], c["numel"]) == (kind, numel)), "missing")}
-      for i, (kind, numel) in enumerate(a["own_record"]))
+record, matched = list(map(tuple, a["own_record"])), []
+for c in a["collectives"]:  # the trace in launch order; each of the record's entries matched once, in order
+    mine = len(matched) < len(record) and (c["kind"], c["numel"]) == record[len(matched)]
+    if mine:
+        matched.append(c)
+    print(f"{1e3 * c['start_s']:7.2f} ms  {c['kind']} of {c['numel']:>7,} elements   "
+          + (f"DDP's record #{len(matched)}" if mine else "(not in DDP's record)"))
+extra = a["agreement"]["extra"]
+assert len(matched) == len(record) and len(extra) == 1 and extra[0][1] < 64, extra  # DDP's few control numbers
+glue("extra_numel", extra[0][1], display=False)
 """, MACHINE)
 
 md(r"""
-The trace holds one collective more than DDP's record: the all-reduce of DDP's control numbers (which
-parameters got a gradient), which is not a gradient bucket. The check asks only that the record's collectives
+The trace holds one collective more than DDP's record, an all-reduce of {glue:text}`extra_numel` elements: DDP's
+control numbers (which parameters got a gradient, and the step's agreement check), not a gradient bucket. The check asks only that the record's collectives
 appear in the trace in the record's order. `tests/test_profile.py` checks the same for ZeRO-2
 (`labs/lab04_zero.py --profile`) and FSDP (`labs/lab05_fsdp.py --profile`), whose own records are the
 sync engine's buckets and FSDP's gather and reduce events.
@@ -364,10 +408,11 @@ parity.print_harness(report)
 ```
 
 It trains one process on the whole batch, then each set-up (nanodist's DDP, ZeRO-1, ZeRO-2 and FSDP, and
-torch's DDP, ZeRO-1 (`ZeroRedundancyOptimizer` under DDP) and FSDP2), and compares them step by step, in the order things happen: the loss, each
-gradient, the gradient norm, each parameter after the update. It reports the first step, quantity and tensor
-where a set-up leaves one process beyond a tolerance, or that none did. The tolerances are far above what
-summing in another order costs, and far below a gradient off by a thousandth.
+torch's DDP, ZeRO-1 (`ZeroRedundancyOptimizer` under DDP) and FSDP2), and compares them step by step, in the
+order things happen: the loss, each gradient, the gradient norm, each parameter after the update. It reports the
+first step and quantity where a set-up leaves one process beyond a tolerance, with the tensor that deviates most
+there, or that none did. The tolerances are far above what summing in another order costs, and far below a
+gradient off by a thousandth.
 
 `labs/lab07_debug.py --parity` runs it on two families of models (the course's awkward `UserModel` with
 AdamW, and a small convolutional network with SGD and momentum), then plants three bugs by monkeypatching,
@@ -392,6 +437,7 @@ assert (found["loud-bucket"]["step"], found["loud-bucket"]["quantity"]) == (0, "
 assert (found["same-rows"]["step"], found["same-rows"]["quantity"]) == (0, "loss")
 assert (found["fast-shard"]["step"], found["fast-shard"]["quantity"]) == (0, "parameters")
 assert reports["fast-shard"]["ddp"]["diverged"] is None  # torch's AdamW under DDP: not the patched update
+glue("loud_dev", found["loud-bucket"]["deviation"], display=False)
 """, MACHINE)
 
 md(r"""
@@ -401,59 +447,99 @@ gradient is computed. The fast shard leaves every gradient right and corrupts th
 so the first thing off is a parameter after the first step, while DDP beside it, which does not use the
 patched update, stays equal. *Where* a divergence first appears points at the code to read.
 
-Two limits. ZeRO-2 and FSDP do not hold whole gradients after the backward, so their gradients are not
-compared (the report says so), only what follows from them. And the harness compares averaged-gradient
+Two limits. nanodist's ZeRO-1 and ZeRO-2 and its FSDP do not hold whole gradients after the backward, so their
+gradients are not compared (the report says so), only what follows from them. And the harness compares averaged-gradient
 training: a set-up that is *meant* to differ from one process (a different learning rate per rank, local
 SGD, a lossy compression of the gradients) needs its own reference.
 
 ## Exercises
 
-Three logs from the run at the top of this chapter, with the lab's own names masked: what the tools printed,
-and nothing else. For each, name the fault (one of the names in the lab's table: `lab.FAULTS`) and the rank
-that caused it, as `answer = ("fault name", rank)`.
+The first three are logs from faults you have not seen: the folded cell below planted three faults drawn at
+random from the lab's quicker ones, each on a random rank, and kept what the tools printed, with the lab's own
+names masked. For each, name the fault (a key of `lab.FAULTS`: the decision tree and the table under it are
+your guide) and the rank that caused it, as `answer = ("fault name", rank)`.
 """)
 
-LOGS = {"7.1": "skip-backward", "7.2": "set-epoch", "7.3": "no-sync-forward"}
 code(r"""
-LOGS = """ + repr(LOGS) + r"""
+#@title Three faults on random ranks (hidden until you open it)
+POOL = ["nan", "desync", "mismatch", "uneven-data", "set-epoch", "rank-local-metric", "skip-backward", "memory-blowup"]
+drawn = random.sample(POOL, 3)
+quiz = subprocess.run([sys.executable, str(resolve_script("lab07_debug")), "--fault", *drawn,
+                       "--seed", str(random.randrange(2**31))], cwd=REPO_ROOT, capture_output=True, text=True,
+                      timeout=240)
+quiz_rows = {r["fault"]: r for r in load(REPO_ROOT / re.search(r"^wrote (.+\.jsonl)$", quiz.stdout, re.M).group(1))
+             ["metrics"]["faults"]}
+LOGS = {f"7.{i + 1}": quiz_rows[name] for i, name in enumerate(drawn)}
+assert all(r["diagnosed_rank"] == r["planted_rank"] for r in LOGS.values()), LOGS
 
 
 def show(exercise):
-    lines = lab.unlabelled(rows[LOGS[exercise]])
+    lines = lab.unlabelled(LOGS[exercise])
     for line in lines:
         print(textwrap.fill(short(line, 330), 78, subsequent_indent="    "))
     return lines
-""")
+""", HIDDEN)
 
-HINTS = {
-    "7.1": "Find the line where each rank says which collective it waits in. Two ranks agree; what is the third "
-           "one doing, and what must it have skipped to be there?",
-    "7.2": "Nothing hung and nothing crashed: the check that failed counts which rank read which sample. Which "
-           "rank appears in every repeated sample, and what makes a sampler repeat last epoch's order?",
-    "7.3": "The barrier at the end names who did not arrive, and the flight recorder counts each rank's "
-           "collectives. Which rank called more, and in a gradient-accumulation loop, what makes a micro-step "
-           "synchronise when it should not?",
-}
-SOLUTIONS = {
-    "7.1": "# The watchdog: two ranks wait in DDP's all-reduce of a bucket (they ran a backward); one waits in the next\n"
-           "# step's buffer broadcast: it skipped the backward and went on. That rank is the cause.\n",
-    "7.2": "# Every duplicated index lists one rank in common: its sampler reads epoch 0's order again -- it never\n"
-           "# called sampler.set_epoch(epoch).\n",
-    "7.3": "# The barrier names the rank that never arrived (or, if it is rank 0, every other rank names it), and the\n"
-           "# flight recorder shows it called more collectives: its forward ran outside no_sync(), so its backward\n"
-           "# all-reduced in a micro-step where the others' did not.\n",
-}
-for key, fault in LOGS.items():
+HINT = ("Find the line a tool printed (the watchdog, a check of nanodist.check, torch's error, a memory line), then "
+        "the branch of the decision tree that tool decides. The rank is the one that line singles out, which is "
+        "not always the rank that printed it.")
+for key in ("7.1", "7.2", "7.3"):
     md(f"**{key[2:]}.** The log:")
     code(f"log = show({key!r})\nassert log  # the lines the tools printed", MACHINE)
     exercise(
         key,
         "Which fault, and which rank?",
-        f"(rows[LOGS[{key!r}]]['fault'], rows[LOGS[{key!r}]]['planted_rank'])",
-        "answer = (..., ...)  # (the fault's name in lab.FAULTS, the rank)",
-        HINTS[key],
-        SOLUTIONS[key] + f"answer = ({fault!r}, lab.FAULTS[{fault!r}].diagnose('\\n'.join(rows[LOGS[{key!r}]]['log']))[0])",
+        f"(LOGS[{key!r}]['fault'], LOGS[{key!r}]['planted_rank'])",
+        "answer = ...  # a pair: (the fault's name, a key of lab.FAULTS; the rank that caused it)",
+        HINT,
+        f"# The fault whose tool printed the log's deciding line, and the rank that line singles out: the lab's own\n"
+        f"# reader of that tool's output (lab.FAULTS[name].diagnose) finds the same rank in these lines.\n"
+        f"name = LOGS[{key!r}]['fault']\n"
+        f"answer = (name, lab.FAULTS[name].diagnose('\\n'.join(LOGS[{key!r}]['log']))[0])",
     )
+
+md(r"""
+Two more, *predict, then run*: write your prediction, then run the cell after it, which measures the answer on
+your machine.
+""")
+
+chapter.predict(
+    "7.4",
+    "In the hang above, the hang struck at step {glue:text}`plant_at` (counting from 0) before that step's first "
+    "collective: the watchdog found the waiting ranks in collective #{glue:text}`hang_waits` and the hanging rank's "
+    "last collective was #{glue:text}`hang_last` (collective #1 is step 0's first: none runs before training). Plant the same hang at step 3 instead (`--at 3`). Which two numbers will the "
+    "watchdog report? Write `prediction = (the collective the others wait in, the hanging rank's last)`.",
+    "prediction = ...   # a pair: (the collective the waiting ranks are in, the hanging rank's last one)",
+    "try:\n"
+    "    nd.launch(\"lab07_debug\", nproc=2, echo=False, timeout=60, args=[\"--fault\", \"hang\", \"--rank\", \"1\", \"--at\", \"3\"],\n"
+    "              env={\"NANODIST_STALL_S\": \"1\", \"NANODIST_TIMEOUT\": \"3\"})\n"
+    "    raise AssertionError(\"the hang finished\")\n"
+    "except nd.LaunchError as e:\n"
+    "    said = [line for line in e.output.splitlines() if \"is not in a collective\" in line][-1]\n"
+    "measured = tuple(map(int, re.search(r\"in collective #(\\d+) .*\\(last: #(\\d+)\", said).groups()))",
+    "Every step runs the same collectives. How many does one step run, from the two numbers above? Which one "
+    "does a step start with, and where is each rank when the hang strikes?",
+    "# The hang strikes before step 3's first collective. Steps 0 to 2 ran the same number each: the hanging rank's\n"
+    "# last is the end of step 2, and the others wait in the collective after it, step 3's first.\n"
+    "per_step = hang_last // lab.PLANT_AT   # the run above: its steps before the hang ran `hang_last` collectives\n"
+    "prediction = (3 * per_step + 1, 3 * per_step)",
+)
+
+chapter.predict(
+    "7.5",
+    "The loud bucket above scaled one rank's gradients by 1.001 (0.1 % too large) before DDP averaged them over "
+    "the 2 ranks, and the harness found the first divergence in a gradient, off by {glue:text}`loud_dev:.1e` of its "
+    "largest element. Predict what it reports when the factor is 1.01. Write `prediction = ...` (the deviation).",
+    "prediction = ...   # the deviation the harness reports with a factor of 1.01",
+    "loud = nd.launch(\"lab07_debug\", nproc=2, echo=False, args=[\"--parity\", \"--cases\", \"loud-bucket\", \"--loud\", \"1.01\"])\n"
+    "measured = loud.results[\"metrics\"][\"parity\"][\"reports\"][\"loud-bucket\"][\"ddp\"][\"diverged\"][\"deviation\"]",
+    "Write the averaged gradient with the factor in it, and the difference from the right one. How does the "
+    "difference grow with the factor's excess over 1?",
+    "# The averaged gradient is (g_0 + s * g_1) / 2, off by (s - 1) * g_1 / 2: linear in s - 1. Ten times the excess\n"
+    "# (0.01 against 0.001), ten times the deviation, in the same tensor.\n"
+    "prediction = 10 * found[\"loud-bucket\"][\"deviation\"]",
+    rel_tol=0.02,
+)
 
 md(r"""
 ## Summary
@@ -461,15 +547,16 @@ md(r"""
 - A distributed failure shows on the ranks that waited, not on the one that caused it. Start from the
   symptom (a hang, a crash, wrong numbers, growing memory) and ask the tool that decides the branch.
 - A hang needs a timeout you chose, then: which rank is not in a collective (nanodist's watchdog), which
-  ranks are in different collectives, every rank's stack (faulthandler; py-spy for a rank stuck in C++).
+  ranks are in different collectives, every rank's stack (faulthandler from inside, py-spy from outside).
 - On gloo, `monitored_barrier` names a late rank, `TORCH_DISTRIBUTED_DEBUG=DETAIL` a mismatched collective
   (not under torch's DDP in torch 2.13), and the flight recorder (`TORCH_FR_BUFFER_SIZE`) each rank's
   collectives. On NCCL, the watchdog, `TORCH_NCCL_DUMP_ON_TIMEOUT` and `NCCL_DEBUG` do the rest.
 - Silent errors are found by checking what must hold: equal replicas (`assert_params_in_sync`), each sample
   read once (`check_sampler_exactly_once`), the same logged value on every rank (`assert_same_across_ranks`),
   and the same training as one process (the parity harness).
-- `--profile` records one step with `torch.profiler`: its lanes show how much communication hides under
-  compute, and the trace agrees with nanodist's own record of the step.
+- `--profile` records one step with `torch.profiler` (the same few lines work in any training loop): its
+  lanes show how much communication hides under compute, and the trace agrees with nanodist's own record of
+  the step. Overlap is not speed: it pays where communication has hardware of its own.
 """)
 
 chapter.write("07_debugging.ipynb")
