@@ -13,7 +13,8 @@ gradient sync that would silently run on every micro-step, or not at all, is not
 
 Who clips: whoever sees the synchronised gradient. Under DDP every rank holds the whole averaged
 gradient, so the global norm is a local computation. A ZeRO optimizer or FSDP holds shards: the norm
-needs a sum of squares over the ranks, which they fold into a collective they already run.
+needs a sum of squares over the ranks, which they fold into a collective they already run. Gradients that are
+DTensors of any placement beside plain ones (tensor parallelism): `clip_grad_norm_` here.
 """
 from __future__ import annotations
 
@@ -36,6 +37,52 @@ class GradientSync(Protocol):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the synchronised gradient to max_norm by its global norm; return that norm (before clipping).
         Collective where the gradient is sharded: every rank calls it."""
+
+
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """Clip gradients that may be DTensors of any placement, on any mesh, mixed with plain tensors, by their global
+    2-norm, and return that norm (before clipping) as a plain tensor, the same on every rank. A plain gradient, and
+    a DTensor's Replicate placement, count once (every rank of that dimension holds the same values); a Shard
+    placement's squares are summed over its mesh dimension's ranks; a Partial one (a sum still pending) is refused.
+    A collective over every mesh dimension a gradient is sharded on: call it on every rank, with the same
+    parameters in the same order. Where torch.nn.utils.clip_grad_norm_ refuses DTensor and plain gradients mixed,
+    or DTensors on different meshes (tensor parallelism beside replicated layers), this is the norm to use."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    locals_, plain, sharded = [], [], {}  # sharded: (mesh, dims) -> squares, one all-reduce per kind of layout
+    for g in grads:
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                raise ValueError(f"clip_grad_norm_: a gradient with placements {g.placements} holds a pending sum "
+                                 f"(Partial): redistribute it to Shard or Replicate first")
+            local = g.to_local()
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            sharded.setdefault((id(g.device_mesh), dims), (g.device_mesh, dims, []))[2].append(local)
+        else:
+            local = g
+            plain.append(g)
+        locals_.append(local)
+    device = locals_[0].device
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for g in plain:
+        total += g.detach().float().pow(2).sum().to(device)
+    for mesh, dims, parts in sharded.values():
+        sq = torch.stack([t.detach().float().pow(2).sum().to(device) for t in parts]).sum()
+        for d in dims:  # the squares of a shard, summed over the ranks of each dimension it is sharded on
+            group = Group.of(mesh.get_group(d))
+            on = sq.to(group.comm_device)
+            dist.all_reduce(on, group=group.pg)
+            sq = on.to(device)
+        total += sq
+    norm = total.sqrt()
+    if max_norm != float("inf"):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for local in locals_:
+            local.detach().mul_(coef.to(local.device, local.dtype))
+    return norm
 
 
 def _local_clip(params, max_norm: float) -> torch.Tensor:

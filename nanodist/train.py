@@ -241,6 +241,13 @@ class Trainer:
 
     # --- the state ----------------------------------------------------------------------------------
 
+    @property
+    def _global_rank(self) -> int:
+        """This process's rank in the whole run: the key of its random generators in the state, unique even where
+        the Trainer's group is one dimension of a mesh (two tensor-parallel peers share a data-group rank). A
+        Trainer on Group.local() is a run of its own, inside a larger launch: rank 0 of it."""
+        return 0 if self.group.backend == "local" else self.group.global_rank(self.group.rank)
+
     def state_dict(self, weights: bool = True) -> dict:
         """Everything a resumed run needs (see ARCHITECTURE.md), in the layout of nanodist.state: the model and
         the optimizer keyed by the bare model's parameter names, sharded tensors as DTensors of their global
@@ -254,7 +261,7 @@ class Trainer:
                 "model": state.model_state_dict(self.model) if weights else None,
                 "optimizer": state.optimizer_state_dict(self.model, self.optimizer) if weights else None,
                 "scheduler": self.scheduler.state_dict(), "data": {"train": data},
-                "rng": {f"rank{self.group.rank}": rng_state()}}
+                "rng": {f"rank{self._global_rank}": rng_state()}}
 
     def state_snapshot(self):
         """The state copied now, between steps, and `finish(group=None)` returning it as state_dict() would have:
@@ -283,16 +290,17 @@ class Trainer:
         self.scheduler.load_state_dict(saved["scheduler"])
         if saved["data"]["train"] is not None:
             self.train_data.load_state_dict(saved["data"]["train"])
-        mine = saved["rng"].get(f"rank{self.group.rank}")
+        me = self._global_rank
+        mine = saved["rng"].get(f"rank{me}")
         if mine is not None:
             set_rng_state(mine)
         elif saved.get("world_size", self.group.size) == self.group.size:
             raise ValueError(f"this training state holds the random generators of {sorted(saved['rng'])}, not of "
-                             f"rank{self.group.rank}: load on every rank the state that rank saved")
+                             f"rank{me}: load on every rank the state that rank saved")
         else:
             from .runtime import seed_everything
-            seed_everything(int(saved["step"]) * 1_000_003 + self.group.rank)
-            print(f"rank {self.group.rank}: the saved run had {saved['world_size']} ranks, so this rank has no saved "
+            seed_everything(int(saved["step"]) * 1_000_003 + me)
+            print(f"rank {me}: the saved run had {saved['world_size']} ranks, so this rank has no saved "
                   f"random state: seeded from the step and the rank", flush=True)
         self.step, self.tokens_seen = int(saved["step"]), int(saved["tokens_seen"])
         self.skipped_steps = int(saved.get("skipped_steps", 0))

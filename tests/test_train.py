@@ -344,3 +344,34 @@ def test_an_inf_gradient_with_finite_losses_names_the_rank_it_came_from(wrapper)
     for err in spawn(inf_grad_worker, 3, args=(wrapper, bad), timeout=120):
         assert err is not None and "non-finite values at step 2" in err, err
         assert f"but the gradient of rank {bad} was non-finite before the ranks averaged it" in err, err
+
+
+def data_group_worker(rank, world):
+    """A Trainer whose group is one dimension of a 2 x 2 mesh (the data dimension; the other a tensor dimension, as
+    Chapter 9's trainer will have): its random generators are keyed by the global rank, so the two ranks that share
+    a data-group rank do not collide in a checkpoint, and a state saved by this rank loads back into it."""
+    import torch.distributed as dist
+    text = generate_corpus(20_000, seed=0)
+    tok = CharTokenizer(text)
+    mesh = nd.Group.world().mesh({"tensor": 2, "data": 2})
+    data = mesh["data"]
+    torch.manual_seed(0)
+    model = nd.DDP(GPT(GPTConfig.preset("tiny", vocab_size=tok.vocab_size, block_size=16)), group=data)
+    stream = TokenStream(torch.tensor(tok.encode(text)), batch_size=2, block_size=16, shuffle=False,
+                         rank=data.rank, world_size=data.size)
+    cfg = TrainConfig(steps=2, total_batch_tokens=4 * 16, micro_batch=2, seq_len=16, progress=False, log_every=0)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), stream, cfg, group=data)
+    trainer.fit(max_steps=1)
+    saved = trainer.state_dict()
+    want = torch.rand(3)
+    trainer.load_state_dict(saved)
+    return {"data_rank": data.rank, "global": dist.get_rank(), "rng_keys": sorted(saved["rng"]),
+            "restored": torch.equal(torch.rand(3), want)}
+
+
+@pytest.mark.dist
+def test_a_trainer_on_a_data_group_keys_its_generators_by_the_global_rank():
+    outs = spawn(data_group_worker, 4, timeout=120)
+    assert sorted(o["data_rank"] for o in outs) == [0, 0, 1, 1]  # two ranks share each data-group rank
+    for o in outs:
+        assert o["rng_keys"] == [f"rank{o['global']}"] and o["restored"], o
