@@ -537,7 +537,7 @@ def _fast_shard(bad: int, rank: int):
 
 
 BUGS = {  # planted by monkeypatching, on one rank: nothing in nanodist.parity knows of them
-    "loud-bucket": ("DDP's bucket all-reduce sends one rank's gradients 0.1 % too large", _loud_bucket),
+    "loud-bucket": ("DDP's bucket all-reduce sends one rank's gradients {loud_pct:g} % too large", _loud_bucket),
     "same-rows": ("one rank reads another rank's rows of each batch", _same_rows),
     "fast-shard": ("one rank's ZeRO-2 shard steps with a learning rate 1 % too large", _fast_shard),
 }
@@ -551,16 +551,12 @@ def parity_demo(bad: int, rank: int, steps: int = 4, cases=None, loud: float = 1
     for name, (_, model_fn, batches, optimizer) in FAMILIES.items():
         if cases is None or name in cases:
             out[name] = parity.harness(model_fn=model_fn, batches=batches, optimizer=optimizer, steps=steps)
-    if dist_size() > 1:
+    if nd.Group.world().size > 1:
         for name, (_, plant) in BUGS.items():
             if cases is None or name in cases:
                 with plant(bad, rank, **({"scale": loud} if name == "loud-bucket" else {})) as kwargs:
                     out[name] = parity.harness(steps=steps, **kwargs)
     return out
-
-
-def dist_size() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def run_parity(args) -> None:
@@ -571,8 +567,8 @@ def run_parity(args) -> None:
     if not 0 <= bad < group.size:
         raise SystemExit(f"lab07: --rank {bad}: this launch has ranks 0 to {group.size - 1}")
     out = parity_demo(bad, group.rank, cases=args.cases, loud=args.loud)
-    about = {k: v[0] for k, v in FAMILIES.items()} | {k: f"{v[0]} (rank {bad})" for k, v in BUGS.items()}
-    about["loud-bucket"] = about["loud-bucket"].replace("0.1 %", f"{100 * (args.loud - 1):g} %")
+    about = {k: v[0] for k, v in FAMILIES.items()} | {
+        k: f"{v[0].format(loud_pct=100 * (args.loud - 1))} (rank {bad})" for k, v in BUGS.items()}
     if group.rank == 0:
         for name, report in out.items():
             print(f"== {name}: {about[name]}")

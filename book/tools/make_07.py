@@ -66,6 +66,16 @@ lab = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lab)  # the lab's faults, their readers and its tables, to show them here
 
 
+def run_triage(faults):
+    # Lab 7's triage of `faults` ("all", or names), each on a rank drawn at random: its results record
+    out = subprocess.run([sys.executable, str(resolve_script("lab07_debug")), "--fault", *faults,
+                          "--seed", str(random.randrange(2**31))], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=240)
+    written = re.search(r"^wrote (.+\.jsonl)$", out.stdout, re.M)
+    assert written, out.stdout[-3000:] + out.stderr[-3000:]
+    return load(REPO_ROOT / written.group(1))
+
+
 def short(line, width=150):
     return line if len(line) <= width else line[:width - 5] + " [...]"
 """)
@@ -87,14 +97,10 @@ code(r"""
 glue("timeout_s", lab.TIMEOUT_S, display=False)
 glue("plant_at", lab.PLANT_AT, display=False)
 glue("torch_timeout_min", round(torch.distributed.constants.default_pg_timeout.total_seconds() / 60), display=False)
-seed = random.randrange(2**31)
-triage = subprocess.run([sys.executable, str(resolve_script("lab07_debug")), "--fault", "all", "--seed", str(seed)],
-                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
-written = re.search(r"^wrote (.+\.jsonl)$", triage.stdout, re.M)
-assert written, triage.stdout[-3000:] + triage.stderr[-3000:]
-run = load(REPO_ROOT / written.group(1))
+run = run_triage(["all"])
 rows = {r["fault"]: r for r in run["metrics"]["faults"]}
-print(provenance(run, ranks="2 or 3 ranks per fault (the column 'ranks')"), "Seed", seed)
+assert all(r["log"] for r in rows.values()), rows  # every faulty run left the tools' lines
+print(provenance(run, ranks="2 or 3 ranks per fault (the column 'ranks')"), "Seed", run["config"]["seed"])
 Table({"fault": r["fault"], "ranks": r["world_size"], "planted on rank": r["planted_rank"],
        "the tools named rank": r["diagnosed_rank"], "seconds": r["seconds"]} for r in rows.values())
 """, MACHINE)
@@ -464,11 +470,7 @@ code(r"""
 #@title Three faults on random ranks (hidden until you open it)
 POOL = ["nan", "desync", "mismatch", "uneven-data", "set-epoch", "rank-local-metric", "skip-backward", "memory-blowup"]
 drawn = random.sample(POOL, 3)
-quiz = subprocess.run([sys.executable, str(resolve_script("lab07_debug")), "--fault", *drawn,
-                       "--seed", str(random.randrange(2**31))], cwd=REPO_ROOT, capture_output=True, text=True,
-                      timeout=240)
-quiz_rows = {r["fault"]: r for r in load(REPO_ROOT / re.search(r"^wrote (.+\.jsonl)$", quiz.stdout, re.M).group(1))
-             ["metrics"]["faults"]}
+quiz_rows = {r["fault"]: r for r in run_triage(drawn)["metrics"]["faults"]}
 LOGS = {f"7.{i + 1}": quiz_rows[name] for i, name in enumerate(drawn)}
 assert all(r["diagnosed_rank"] == r["planted_rank"] for r in LOGS.values()), LOGS
 
