@@ -44,7 +44,8 @@ def parse_args():
                         "nanodist-pg when nanodist reduces through shared memory)")
     p.add_argument("--scaling", choices=["weak", "strong"], default="weak")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
-                   help="measure a 1-rank baseline on rank 0 first (default: on for --impl all)")
+                   help="measure a 1-rank baseline on rank 0 first (default: on for --impl all at 2 or more ranks; at a "
+                        "world of one, asked for: plain torch beside the wrapper)")
     p.add_argument("--timeline", action="store_true", help="record nanodist DDP's bucket timeline")
     p.add_argument("--worlds", type=int, nargs="+", default=None,
                    help="measure these world sizes in one launch, each on the first N ranks (one --impl)")
@@ -170,7 +171,8 @@ def main():
     shm = experiment.use_shared_memory(cfg, group)
     if args.impl == "all" and shm:
         impls.insert(2, "nanodist-pg")  # the like-for-like comparison: the same transport as torch DDP
-    if (args.baseline if args.baseline is not None else args.impl == "all") and group.size > 1:
+    if args.baseline or (args.baseline is None and args.impl == "all" and group.size > 1):  # at a world of one:
+        # asked for, the 1-rank reference beside one wrapper (--compile: compiled plain torch, the MFU to reach)
         impls = ["single"] + impls
         nd.print0("== baseline: rank 0 trains alone, in turns with the others, while the other ranks wait")
     main_impl = "nanodist" if args.impl == "all" else args.impl
@@ -213,6 +215,10 @@ def main():
         if "torch" in results and impl in results:
             metrics[key] = results[impl]["tokens_per_s"] / results["torch"]["tokens_per_s"]
             nd.print0(f"ratio {label}: {metrics[key]:.2f}")
+    if group.size == 1 and "single" in results and main_impl != "single":  # --baseline at a world of one
+        metrics["ratio_vs_one_process"] = results[main_impl]["tokens_per_s"] / results["single"]["tokens_per_s"]
+        nd.print0(f"ratio {main_impl}/plain torch throughput (a world of one, the same run): "
+                  f"{metrics['ratio_vs_one_process']:.2f}")
     if "nanodist" in runs and group.size > 1:
         # The divergence detector stays on: what its bookkeeping costs a step, from the collectives DDP tracks
         # (its buckets, the control numbers, the buffer broadcast) and the cost of one, measured here.

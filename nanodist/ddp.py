@@ -165,6 +165,10 @@ class DDP(_SyncBase, ReportsLocalFinite):
       fault is reported at the very step it happened. `check_pending()` reads a pending check at once.
       (find_unused_parameters=True still reads its flags every step: it must know before the update.)
 
+    In a world of one there is nothing to average: the hooks still run, bucket by bucket (the timeline records
+    them, and a parameter without a gradient is still an error, at once), but no bucket buffer is allocated and
+    nothing is copied, scaled or reduced: the gradients stay in p.grad, where backward left them.
+
     The hooks, the bucket order and the end-of-backward wait are the gradient-sync engine's (nanodist.sync);
     what is DDP's own is below: how a bucket is packed and reduced, and where the average ends up.
     """
@@ -231,6 +235,10 @@ class DDP(_SyncBase, ReportsLocalFinite):
                 n += self._params[i].numel()
             p0 = self._params[idx[0]]
             b = Bucket(k, idx, slots, n, p0.dtype, p0.device)
+            if self.world_size == 1:  # alone: the gradients stay where backward puts them (see the docstring)
+                b.extra.update(what=f"DDP bucket {k} (a world of one: nothing to reduce)")
+                buckets.append(b)
+                continue
             buffer = torch.zeros(n, dtype=p0.dtype, device=p0.device)
             b.extra.update(buffer=buffer, grads=buffer, what=f"DDP all-reduce of bucket {k}",
                            views=[buffer[s.offset:s.offset + s.numel].view_as(self._params[s.param]) for s in slots])
@@ -265,6 +273,8 @@ class DDP(_SyncBase, ReportsLocalFinite):
         """Gather the bucket's gradients into its buffer in one call, scale by 1/N and all-reduce with SUM: the
         buffer then holds the average. This is torch DDP's arithmetic: with the same buckets the two agree to the
         last bit. A missing gradient travels as zeros."""
+        if self.world_size == 1:
+            return DONE
         reducer = b.extra.get("reducer")
         views = b.extra["shm_views"] if reducer is not None else b.extra["views"]
         have = [(v, self._params[s.param].grad) for v, s in zip(views, b.slots)]
@@ -300,6 +310,10 @@ class DDP(_SyncBase, ReportsLocalFinite):
 
     def _finish(self, missing: list[int]) -> None:
         self.sync_count += 1
+        if self.world_size == 1:  # the check, on what this rank knows already: no collective, no device read
+            if missing and not self.find_unused_parameters:
+                self._raise_missing([self.trainable[i][0] for i in missing], "this step")
+            return
         self._local_finite.close()
         params = self._params
         unused_everywhere = set()
@@ -355,11 +369,15 @@ class DDP(_SyncBase, ReportsLocalFinite):
         diverge.check_agreement(self.group, d, d2, "DDP")
         if missed > 0 and not self.find_unused_parameters:
             # Every rank raises, so no rank walks on into the next step's collectives alone.
-            here = (f"on this rank: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names
-                    else "on another rank (this rank had every gradient)")
-            raise RuntimeError(
-                f"DDP: parameter(s) got no gradient {when}, {here}. If they are unused on purpose, wrap "
-                f"with DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
+            self._raise_missing(names, when)
+
+    @staticmethod
+    def _raise_missing(names: list[str], when: str) -> None:
+        here = (f"on this rank: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names
+                else "on another rank (this rank had every gradient)")
+        raise RuntimeError(
+            f"DDP: parameter(s) got no gradient {when}, {here}. If they are unused on purpose, wrap "
+            f"with DDP(..., find_unused_parameters=True), or freeze them (requires_grad_(False)).")
 
     def _raise_step_drift(self) -> None:
         """The ranks averaged gradients of different optimizer steps: say which rank was where, on every rank."""

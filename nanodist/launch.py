@@ -280,8 +280,18 @@ def _failures(output: str) -> list[dict]:
             if m and "exitcode" not in entry:
                 entry["exitcode"] = int(m.group(1))
                 sig = re.search(r"\((SIG[A-Z0-9]+)\)", line)
-                entry["signal"] = sig.group(1) if sig else None
+                entry["signal"] = sig.group(1) if sig else _signal_name(entry["exitcode"])
     return [f for f in failures if "rank" in f]
+
+
+def _signal_name(exitcode: int) -> str | None:
+    """The signal behind a negative exit code (-9: SIGKILL). torch 2.13 writes the name beside the exit code, torch
+    2.11 only on the traceback line ("Signal 9 (SIGKILL) received by PID ..."): the code says it in both."""
+    import signal
+    try:
+        return signal.Signals(-exitcode).name if exitcode < 0 else None
+    except ValueError:
+        return None
 
 
 # What a rank says when another rank died under it (gloo, NCCL, the TCP store): it failed because of the other.

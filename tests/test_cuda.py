@@ -36,9 +36,15 @@ def backend_env(backend: str, results_dir) -> dict:
     return {"NANODIST_BACKEND": backend, "NANODIST_DEVICE": "cuda", "NANODIST_RESULTS_DIR": str(results_dir)}
 
 
+# Lab 5's peak accounting is checked against torch's allocator on the small preset: on the tiny one (a peak of ~2 MB)
+# what ours cannot see (operations' own temporaries, workspaces) is a fifth of it (0.80 on an H100)
+SMALL_LAB05 = ["--model", "small", "--steps", "7", "--budget", "0.5", "--no-progress"]
+
+
 @pytest.mark.parametrize("lab", list(LAB_ARGS))
 def test_every_lab_at_a_world_of_one_with_nccl(lab, tmp_path):
-    args = LAB_ARGS[lab] + (["--checkpoint-dir", str(tmp_path / "ck")] if lab == "lab06_checkpoint" else [])
+    args = (SMALL_LAB05 if lab == "lab05_fsdp" else LAB_ARGS[lab]) + (
+        ["--checkpoint-dir", str(tmp_path / "ck")] if lab == "lab06_checkpoint" else [])
     run = nd.launch(lab, nproc=1, args=args, env=backend_env("nccl", tmp_path), timeout=600, echo=False)
     assert run.results is not None
     assert (run.results["backend"], run.results["device"]) == ("nccl", "cuda")

@@ -1,4 +1,6 @@
 """nanodist.DDP proven equal to torch's DistributedDataParallel and to one process training on the whole batch."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -226,6 +228,44 @@ def test_default_ddp_equals_torch_and_missing_gradients_raise_on_every_rank(worl
     assert "on this rank: unused.weight, unused.bias" in messages[1]
     assert "on another rank (this rank had every gradient)" in messages[0]
     assert all("find_unused_parameters=True" in m for m in messages)
+
+
+def alone_worker(rank, world):
+    """A world of one: DDP's gradients are the plain model's, bit for bit, left in p.grad (no bucket buffer, no copy),
+    through no_sync accumulation too; the hooks still run bucket by bucket; a parameter without a gradient still
+    raises, at once."""
+    torch.manual_seed(0)
+    net = Net()
+    net.unused.requires_grad_(False)
+    ours, plain = nd.DDP(_copy(net), bucket_cap_mb=0.004, record_timeline=True), _copy(net)
+    out = {"buffers": [sorted(b.extra) for b in ours.buckets], "buckets": len(ours.buckets)}
+    for step in range(3):
+        for m in (ours, plain):
+            m.zero_grad(set_to_none=True)
+            with ours.no_sync() if m is ours else contextlib.nullcontext():
+                loss_of(m, *batch(rank, step=step)).backward()  # accumulated, then the synchronising backward
+            loss_of(m, *batch(rank, step=step + 10)).backward()
+        out.setdefault("unequal", []).extend(
+            n for (n, a), b in zip(ours.module.named_parameters(), plain.parameters())
+            if (a.grad is None) != (b.grad is None) or (a.grad is not None and not torch.equal(a.grad, b.grad)))
+        out.setdefault("views", []).extend(n for n, q in ours.module.named_parameters()
+                                           if q.grad is not None and q.grad._base is not None)
+    out["launched"] = len(ours.timeline)
+    ddp = nd.DDP(Net())
+    try:
+        loss_of(ddp, *batch(rank)).backward()
+        out["error"] = "no error"
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_a_world_of_one_leaves_the_gradients_where_backward_put_them():
+    out = spawn(alone_worker, 1, timeout=60)[0]
+    assert out["buckets"] > 1 and all(keys == ["what"] for keys in out["buffers"]), out  # no buffer allocated
+    assert out["unequal"] == [] and out["views"] == [], out
+    assert out["launched"] == 3 * out["buckets"], out  # once per synchronising backward, never under no_sync
+    assert "no gradient this step, on this rank: unused.weight, unused.bias" in out["error"], out
 
 
 def test_pack_buckets_respects_caps_dtype_and_device():

@@ -16,32 +16,35 @@ TOL = 1e-5
 SHAPES = [(8, 6), (6, 4), (12,), (5, 3)]
 
 
-def _whole():
+def _whole(device="cpu"):
     g = torch.Generator().manual_seed(7)
-    return [torch.randn(s, generator=g) for s in SHAPES]
+    return [torch.randn(s, generator=g).to(device) for s in SHAPES]
 
 
-def norm_worker(rank, W, planted=False):
+def norm_worker(rank, W, planted=False, device="cpu"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from nanodist.parallel import clip_grad_norm_
-    whole = _whole()
+    from nanodist.state import full_tensor
+    whole = _whole(device)
     want = float(torch.linalg.vector_norm(torch.cat([w.reshape(-1) for w in whole])))
     if W == 4:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+        mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("data", "tensor"))
         layouts = [(mesh, [Replicate(), Shard(0)]), (mesh, [Shard(0), Shard(1)]), (None, None),
                    (mesh["tensor"], [Shard(1)])]
     else:
-        mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("tensor",))
+        mesh = init_device_mesh(device, (W,), mesh_dim_names=("tensor",))
         layouts = [(mesh, [Shard(0)]), (mesh, [Shard(1)]), (None, None), (mesh, [Replicate()])]
+
+    def dt(t, m, placements):  # every rank holds the whole value: each keeps its own shard, nothing is scattered
+        return distribute_tensor(t, m, placements, src_data_rank=None)
 
     def params():
         out = []
         for w, (m, placements) in zip(whole, layouts):
-            p = torch.nn.Parameter(torch.zeros_like(w) if m is None else distribute_tensor(torch.zeros_like(w), m,
-                                                                                             placements))
-            p.grad = w.clone() if m is None else distribute_tensor(w.clone(), m, placements)
+            p = torch.nn.Parameter(torch.zeros_like(w) if m is None else dt(torch.zeros_like(w), m, placements))
+            p.grad = w.clone() if m is None else dt(w.clone(), m, placements)
             out.append(p)
         return out
 
@@ -54,12 +57,12 @@ def norm_worker(rank, W, planted=False):
         return out
     ps = params()  # clipping to half the norm scales every shard and every plain gradient by one half
     clip_grad_norm_(ps, want / 2)
-    full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in ps]
+    full = [full_tensor(p.grad) for p in ps]
     out["clipped"] = max(float((f - w * (want / 2) / (want + 1e-6)).abs().max()) for f, w in zip(full, whole))
     try:
         flat = mesh if W != 4 else mesh["tensor"]
-        bad = torch.nn.Parameter(distribute_tensor(torch.zeros(4), flat, [Replicate()]))
-        bad.grad = DTensor.from_local(torch.ones(4), flat, [Partial()])  # each rank's addend of a pending sum
+        bad = torch.nn.Parameter(dt(torch.zeros(4, device=device), flat, [Replicate()]))
+        bad.grad = DTensor.from_local(torch.ones(4, device=device), flat, [Partial()])  # each rank's addend of a pending sum
         clip_grad_norm_([bad], 1.0)
         out["partial"] = "accepted"
     except ValueError as e:
@@ -78,3 +81,17 @@ def test_the_norm_of_sharded_replicated_and_plain_gradients_is_the_whole_gradien
 def test_a_planted_error_on_one_ranks_shard_is_caught():
     outs = spawn(norm_worker, 2, kwargs={"planted": True}, timeout=120)
     assert all(abs(o["got"] - o["want"]) > 10 * TOL * o["want"] for o in outs), outs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("W", [1, 2])
+def test_the_norm_of_gradients_on_the_gpu(W, monkeypatch):
+    """CUDA DTensors: a world of one on nccl, and two ranks sharing the GPU through gloo (the shards' squares go
+    through the host)."""
+    monkeypatch.setenv("NANODIST_DEVICE", "cuda")
+    for r, out in enumerate(spawn(norm_worker, W, kwargs={"device": "cuda"}, backend="nccl" if W == 1 else "gloo",
+                                  timeout=300)):
+        assert abs(out["got"] - out["want"]) <= TOL * out["want"], (W, r, out)
+        assert out["clipped"] <= 1e-6, (W, r, out)
+        assert "pending sum (Partial): redistribute" in out["partial"], out

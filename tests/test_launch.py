@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import nanodist as nd
-from nanodist.launch import _exception_line, _failing_rank, _failure_message, rank_lines, resolve_script
+from nanodist.launch import _exception_line, _failing_rank, _failure_message, _failures, rank_lines, resolve_script
 
 SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.dist
@@ -245,6 +245,35 @@ def test_a_rank_killed_by_a_signal_is_the_cause_even_when_torchrun_names_its_pee
     assert (rank, code) == (1, -9) and "killed by SIGKILL" in message
     # and a rank stopped with SIGTERM (by torchrun, or another node's agent) is never the cause
     assert _failing_rank(output.replace("(SIGKILL)", "(SIGTERM)").replace("-9", "-15"))[0] == 0
+
+
+def test_a_killed_rank_is_named_from_torch_2_11s_report_too():
+    """torch 2.11 (seen on an H100 box) writes the signal only on the traceback line, not beside the exit code:
+    the negative exit code says which signal it was. The report below is that box's, for Lab 7's dead peer."""
+    output = "\n".join([
+        "[rank1]:rank 1 is about to be killed by SIGKILL",
+        "Failures:",
+        "[1]:",
+        "  time      : 2026-11-27_05:22:15",
+        "  host      : localhost",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : -15 (pid: 1894)",
+        "  error_file: <N/A>",
+        "  traceback : Signal 15 (SIGTERM) received by PID 1894",
+        "------------------------------------------------------",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  time      : 2026-11-27_05:22:14",
+        "  host      : localhost",
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : -9 (pid: 1895)",
+        "  error_file: <N/A>",
+        "  traceback : Signal 9 (SIGKILL) received by PID 1895",
+        "======================================================",
+    ])
+    assert [(f["rank"], f["signal"]) for f in _failures(output)] == [(0, "SIGTERM"), (1, "SIGKILL")]
+    message, rank, _, code = _failure_message("lab07_debug.py", output, 1)
+    assert (rank, code) == (1, -9) and "failed on rank 1: killed by SIGKILL (exit code -9)" in message, message
 
 
 def test_of_ranks_that_raised_together_the_one_whose_peer_vanished_is_not_the_cause():

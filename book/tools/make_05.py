@@ -459,7 +459,7 @@ plots.show()
 """, MACHINE)
 
 md(r"""
-The repository keeps runs of this lab measured on the machines these pages were built on, and on a GPU box, under `labs/results/reference/`: one H200, with the 124 M `gpt2` preset at a world of one over nccl (no bytes travel, so its ratios show each implementation's own overhead) and the small preset on two ranks sharing the GPU through gloo. Your run comes first; each row says where it was measured:
+The repository keeps runs of this lab measured on the machines these pages were built on, and on a GPU box, under `labs/results/reference/`: one H200 and one H100, each with the 124 M `gpt2` preset at a world of one over nccl (no bytes travel, so their ratios show each implementation's own overhead), and the small preset on two ranks sharing the H200 through gloo. Your run comes first; each row says where it was measured:
 """)
 
 code(r"""

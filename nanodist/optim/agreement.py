@@ -36,7 +36,12 @@ def agree(group, had_grad: list[bool], could_have: list[bool], parts: list[torch
     sq = None
     if clip_norm is not None:
         device = parts[0].device if parts else group.comm_device
-        norms = [torch.linalg.vector_norm(t, dtype=torch.float64).to(device) for t in parts]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in parts:
+            by_device.setdefault(t.device, []).append(t)
+        # one foreach launch per device (not one norm per tensor: on a GPU the launches would cost more than the
+        # reading), in fp64 so that the squares of many parts add up without losing the small ones
+        norms = [n.to(device) for ts in by_device.values() for n in torch._foreach_norm(ts, 2, dtype=torch.float64)]
         sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64, device=device)
     has_grad, total = list(had_grad), sq
     if group.size > 1:
