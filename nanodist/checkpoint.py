@@ -999,9 +999,9 @@ def fingerprint(trainer) -> str:
     their states are bitwise equal, whatever the world size, the wrapper or the layout of the shards (every
     wrapper's state holds a tied parameter under each of its names). A collective."""
     import hashlib
-    full = _gather_full(trainer.state_dict(), trainer.group)
+    full = _gather_full(trainer.state_dict(), trainer.world)
     digest = None
-    if trainer.group.is_main:
+    if trainer.world.is_main:
         h = hashlib.sha256()
         items = [(f"model.{n}", t) for n, t in full["model"].items()]
         items += [(f"optimizer.{n}.{k}", t) for n, st in full["optimizer"]["state"].items() for k, t in st.items()]
@@ -1014,4 +1014,4 @@ def fingerprint(trainer) -> str:
                 h.update(f"{name}:{t.dtype}:{shape}".encode())
                 h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         digest = h.hexdigest()
-    return trainer.group.broadcast_object(digest)
+    return trainer.world.broadcast_object(digest)

@@ -33,7 +33,7 @@ from .group import Group
 from . import diverge
 from .runtime import get_logger
 from .sync import (DONE, Bucket, BucketTimeline, GradSync, LocalFinite, ReportsLocalFinite, Slot, Work, all_reduce_sum,
-                   pack_buckets)
+                   pack_buckets, refuse_dtensors)
 
 _ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run a function when backward ends
 
@@ -51,6 +51,7 @@ class _SyncBase(nn.Module):
         self.group, self.pg, self.world_size = g, g.pg, g.size
         self.broadcast_buffers = broadcast_buffers
         self._require_sync = True
+        refuse_dtensors(module.named_parameters(), f"nanodist.{type(self).__name__}")
         self.trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check_same_structure()  # first: every rank must agree before anyone may raise
         sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True

@@ -640,7 +640,7 @@ def summarize(run: Run) -> dict:
     trainer = run.trainer
     timed = trainer.history[WARMUP_STEPS:] or trainer.history
     step_s = statistics.median(h["time_s"] for h in timed)
-    out = {"impl": run.name, "world_size": trainer.group.size, "grad_accum": trainer.grad_accum,
+    out = {"impl": run.name, "world_size": trainer.world.size, "grad_accum": trainer.grad_accum,
            "compiled": any(getattr(m, "_compiled_call_impl", None) is not None for m in run.raw.modules()),
            "tokens_per_step": trainer.tokens_per_step, "median_step_s": step_s,
            "tokens_per_s": trainer.tokens_per_step / step_s,
@@ -660,7 +660,7 @@ def summarize(run: Run) -> dict:
 def hardware_use(run: Run, tokens_per_s: float, params: int) -> dict:
     """The model's FLOPs per token, the TFLOP/s each rank reached, and MFU against the device's peak
     (nanodist.perf: a GPU's datasheet rate, a CPU's measured matmul rate), with where the peak comes from."""
-    cfg, world = run.trainer.cfg, run.trainer.group.size
+    cfg, world = run.trainer.cfg, run.trainer.world.size
     fpt = run.raw.flops_per_token(cfg.seq_len, num_params=params)
     peak = perf.peak_flops(run.trainer.group.device, cfg.dtype)
     return {"flops_per_token": fpt, "tflops_per_rank": tokens_per_s * fpt / world / 1e12,

@@ -56,7 +56,7 @@ from . import diverge
 from .group import Group
 from .state import param_shaped, torch_layout
 from .sync import (Bucket, GradSync, LocalFinite, Observer, ReportsLocalFinite, Slot, Work, all_gather,
-                   reduce_scatter_sum)
+                   reduce_scatter_sum, refuse_dtensors)
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
@@ -196,6 +196,7 @@ class FSDP(nn.Module, ReportsLocalFinite):
         super().__init__()
         if collectives not in ("auto", "ring", "torch"):
             raise ValueError(f"FSDP: collectives must be one of auto, ring, torch, got {collectives!r}")
+        refuse_dtensors(module.named_parameters(), "nanodist.FSDP")
         self.module = module
         g = Group.resolve(group)
         self.group, self.world_size = g, g.size

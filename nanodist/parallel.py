@@ -59,7 +59,8 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
                 raise ValueError(f"clip_grad_norm_: a gradient with placements {g.placements} holds a pending sum "
                                  f"(Partial): redistribute it to Shard or Replicate first")
             local = g.to_local()
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            # sharded: anything not replicated (Shard, and FSDP2 x TP's _StridedShard, which is no Shard in torch 2.13)
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
             sharded.setdefault((id(g.device_mesh), dims), (g.device_mesh, dims, []))[2].append(local)
         else:
             local = g
@@ -87,7 +88,17 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
 
 def _local_clip(params, max_norm: float) -> torch.Tensor:
     # Under replicated gradients the norm is the same on every rank. An infinite max_norm measures without clipping.
-    return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    # DTensor gradients (tensor parallelism, FSDP2 on a mesh) may sit beside plain ones or on several meshes, which
+    # torch's clip_grad_norm_ refuses: the placement-aware norm above takes them all.
+    params = [p for p in params if p.grad is not None]
+    if any(_is_dtensor(p.grad) for p in params):
+        return clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
 
 
 class _TorchDDP:

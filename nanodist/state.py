@@ -187,19 +187,14 @@ def full_tensor(t: torch.Tensor, via_host: bool | None = None, to_host: bool = F
 
 
 def dtensor_like(whole: torch.Tensor, like) -> torch.Tensor:
-    """`like`'s layout (a DTensor Shard(0) or Replicate on its mesh) filled from a whole tensor every rank has."""
-    from torch.distributed.tensor import DTensor, Shard
-    mesh, placements = like.device_mesh, like.placements
+    """`like`'s layout (any placements on any mesh: FSDP2's Shard(0), TP's Shard and Replicate, FSDP2 x TP's
+    _StridedShard on a 2-D mesh) filled from a whole tensor every rank has: each rank keeps its own piece, nothing
+    is sent."""
+    from torch.distributed.tensor import distribute_tensor
     if tuple(whole.shape) != tuple(like.shape):
         raise ValueError(f"a saved tensor has shape {tuple(whole.shape)}, the model's {tuple(like.shape)}")
-    local = whole
-    if placements and isinstance(placements[0], Shard):
-        dim, n, r = placements[0].dim, mesh.size(), mesh.get_local_rank()
-        size = -(-whole.shape[dim] // n)
-        a, b = min(r * size, whole.shape[dim]), min((r + 1) * size, whole.shape[dim])
-        local = whole.narrow(dim, a, b - a)
-    return DTensor.from_local(local.to(like.to_local().device).contiguous(), mesh, placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    return distribute_tensor(whole.to(like.to_local().device), like.device_mesh, like.placements,
+                             src_data_rank=None)
 
 
 def clone(value):

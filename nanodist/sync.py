@@ -70,6 +70,26 @@ class Work:
 DONE = Work()  # the handle of a reduction that has already finished
 
 
+def refuse_dtensors(named, who: str) -> None:
+    """nanodist's wrappers and sharded optimizers pack plain tensors into flat buffers: a DTensor parameter (tensor
+    parallelism, or a model sharded already) would be packed by its local piece as if it were whole. Say so at
+    once, naming the first few, and what to do instead."""
+    from torch.distributed.tensor import DTensor
+    bad = [name for name, t in named if isinstance(t, DTensor)]
+    if bad:
+        listed = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise ValueError(f"{who} takes plain tensors, and {listed} {'is a DTensor' if len(bad) == 1 else 'are DTensors'}"
+                         f" (tensor parallelism, or a model sharded already). Average such a model's gradients "
+                         f"with torch's fully_shard on the data dimension of the mesh (Trainer(mesh=...)), or give "
+                         f"{who} the model before it is parallelised.")
+
+
+def optimizer_params(optimizer) -> list:
+    """(name, parameter) of every parameter an optimizer holds: its param_names where given, else its place."""
+    return [(g.get("param_names", [None] * len(g["params"]))[j] or f"param_groups[{i}][{j}]", p)
+            for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
+
+
 class LocalFinite:
     """Was this rank's own gradient finite, before the ranks averaged it? After averaging every rank holds the
     same NaN or inf, and only this says where it came from. One sum per bucket as it is packed (a NaN or inf

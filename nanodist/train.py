@@ -206,16 +206,32 @@ class Trainer:
       TokenStream's cursor) is part of the Trainer's.
     - val_data: an iterator of validation micro-batches; the first eval_batches are read once and reused.
     - recorder: a nanodist.results.Recorder, which gets every step as it is logged (optional).
-    - group: the ranks that train together (default: the world).
+    - group: the ranks that train together, averaging their gradients (default: the world).
+    - mesh, data_dim: instead of group, a nanodist Mesh (Group.world().mesh({"data": 2, "tensor": 2})) whose
+      `data_dim` dimension averages the gradients and splits the batches; the ranks of its other dimensions
+      (tensor parallelism) share each batch, so train_data must give them the same one (a TokenStream with
+      rank=mesh[data_dim].rank, world_size=mesh[data_dim].size). The world, every rank of the mesh, keeps what
+      happens once per run: the run id, the state's world size, the non-finite report, the progress bar.
     - checkpoints: a nanodist.checkpoint.CheckpointManager; with cfg.checkpoint_every, fit() saves every that
       many steps and at the end, and a non-finite stop leaves its reason beside the checkpoints.
     """
 
     def __init__(self, model, optimizer, train_data, cfg: TrainConfig, val_data=None, recorder=None, group=None,
-                 checkpoints=None):
+                 checkpoints=None, mesh=None, data_dim: str = "data"):
         self.model, self.optimizer, self.cfg, self.checkpoints = model, optimizer, cfg, checkpoints
         self.train_data, self.val_data, self.recorder = train_data, val_data, recorder
-        self.group = Group.resolve(group)
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("Trainer: give group= (the ranks that train together) or mesh= (and its data "
+                                 "dimension, data_dim=), not both")
+            if data_dim not in mesh.names:
+                raise ValueError(f"Trainer: the mesh has dimensions {list(mesh.names)}, none named {data_dim!r}: "
+                                 f"name the one that splits the batches with data_dim=")
+            self.group, self.world = mesh[data_dim], Group.world()  # the data dimension; every rank of the mesh
+        else:
+            self.group = Group.resolve(group)
+            self.world = self.group  # a group of its own is a run of its own (lab03's sweeps of sub-worlds)
+        self.mesh = mesh
         if not cfg.lr > 0:
             raise ValueError(f"TrainConfig.lr must be a positive number, got {cfg.lr!r}")
         if cfg.nonfinite not in ("stop", "skip"):
@@ -229,7 +245,7 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0
         # one run id for all ranks (rank 0's): a sharded checkpoint keeps one copy of it
-        self.run_id = self.group.broadcast_object(recorder.run_id if recorder is not None else new_run_id())
+        self.run_id = self.world.broadcast_object(recorder.run_id if recorder is not None else new_run_id())
         self.history: list[dict] = []
         self._pending: list[dict] = []  # steps whose scalars are still on the device
         # On a GPU the scalars of a step (loss, norm, timing events) are read every log_every steps (or every 20
@@ -257,7 +273,7 @@ class Trainer:
         self._flush()
         data = self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
-                "run_id": self.run_id, "world_size": self.group.size, "config": asdict(self.cfg),
+                "run_id": self.run_id, "world_size": self.world.size, "config": asdict(self.cfg),
                 "model": state.model_state_dict(self.model) if weights else None,
                 "optimizer": state.optimizer_state_dict(self.model, self.optimizer) if weights else None,
                 "scheduler": self.scheduler.state_dict(), "data": {"train": data},
@@ -294,7 +310,7 @@ class Trainer:
         mine = saved["rng"].get(f"rank{me}")
         if mine is not None:
             set_rng_state(mine)
-        elif saved.get("world_size", self.group.size) == self.group.size:
+        elif saved.get("world_size", self.world.size) == self.world.size:
             raise ValueError(f"this training state holds the random generators of {sorted(saved['rng'])}, not of "
                              f"rank{me}: load on every rank the state that rank saved")
         else:
@@ -394,12 +410,13 @@ class Trainer:
     def _stop_nonfinite(self, row: dict, local_finite=None) -> None:
         # The norm is global, so every rank sees it at the same step; the losses say where it came from, and, when
         # every loss was finite, each rank's own gradient before averaging (nanodist's wrappers keep that verdict).
-        losses = self.group.all_gather_object(row["loss"])
-        bad = [self.group.global_rank(r) for r, v in enumerate(losses) if not math.isfinite(v)]
-        grads = self.group.all_gather_object(None if local_finite is None else bool(local_finite))
-        bad_grads = [self.group.global_rank(r) for r, ok in enumerate(grads) if ok is False]
+        world = self.world  # every rank reaches this step, and the report names ranks of the whole run
+        losses = world.all_gather_object(row["loss"])
+        bad = [world.global_rank(r) for r, v in enumerate(losses) if not math.isfinite(v)]
+        grads = world.all_gather_object(None if local_finite is None else bool(local_finite))
+        bad_grads = [world.global_rank(r) for r, ok in enumerate(grads) if ok is False]
         if bad:
-            where = f"the loss was {', '.join(f'{losses[self.group.ranks.index(r)]} on rank {r}' for r in bad)}"
+            where = f"the loss was {', '.join(f'{losses[world.ranks.index(r)]} on rank {r}' for r in bad)}"
         elif bad_grads:
             where = (f"every rank's loss was finite, but the gradient of {_ranks(bad_grads)} was non-finite before "
                      f"the ranks averaged it: a backward on {'that rank' if len(bad_grads) == 1 else 'those ranks'} "
@@ -434,7 +451,7 @@ class Trainer:
 
     def fit(self, max_steps: int | None = None) -> list[dict]:
         """Train until cfg.steps (or `max_steps` more steps: fit can be called again to go on). Returns history."""
-        cfg, group = self.cfg, self.group
+        cfg, group = self.cfg, self.world
         if self._wandb is None:  # opened on the first call, closed when the last step is done
             self._wandb = WandbLogger(cfg.wandb, cfg.wandb_project, {**asdict(cfg), "world_size": group.size},
                                       name=cfg.run_name, is_main=Group.world().is_main, run_id=self.run_id)

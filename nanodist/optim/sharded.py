@@ -46,7 +46,7 @@ from torch import nn
 from .. import diverge
 from ..group import Group
 from ..sync import (DONE, Bucket, GradSync, LocalFinite, ReportsLocalFinite, Slot, Work, all_gather, all_reduce_sum,
-                    pack_buckets, reduce_scatter_sum)
+                    optimizer_params, pack_buckets, reduce_scatter_sum, refuse_dtensors)
 from . import adamw as _adamw
 from .agreement import agree
 from .layout import Piece, PipelineRecorder, is_dtensor, slice_bounds
@@ -113,6 +113,7 @@ class ShardedOptimizer(torch.optim.Optimizer, ReportsLocalFinite):
         self._digest_check = diverge.PendingCheck(name)
         self._local_finite = LocalFinite()
         super().__init__(params, {})
+        refuse_dtensors(optimizer_params(self), name)
         self._plan()  # the hooks are in place before the first backward
 
     # ----------------------------------------------------------------------------- groups

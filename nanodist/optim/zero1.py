@@ -37,7 +37,8 @@ import torch.distributed as dist
 from .. import diverge
 from ..group import Group
 from .agreement import agree
-from ..sync import Bucket, GradSync, LocalFinite, ReportsLocalFinite, Slot, all_gather, pack_buckets, reduce_scatter_sum
+from ..sync import (Bucket, GradSync, LocalFinite, ReportsLocalFinite, Slot, all_gather, optimizer_params, pack_buckets,
+                    reduce_scatter_sum, refuse_dtensors)
 from .muon import deal  # Muon deals whole matrices the same way
 
 HYPER_SKIP = ("params", "param_names")
@@ -77,6 +78,7 @@ class ZeroOptimizer(torch.optim.Optimizer, ReportsLocalFinite):
         self._digest_check = diverge.PendingCheck("ZeroOptimizer")
         self._local_finite = LocalFinite()
         super().__init__(params, defaults)
+        refuse_dtensors(optimizer_params(self), "ZeroOptimizer")
         local = [{**{k: v for k, v in grp.items() if k not in HYPER_SKIP}, "params": self._mine(grp["params"])}
                  for grp in self.param_groups]
         self.inner = optimizer_class(local, **defaults)
