@@ -266,6 +266,11 @@ class Mesh:
         self.shape = tuple(sizes)
         self.device_mesh = init_device_mesh(device.type, self.shape, mesh_dim_names=self.names)
         self._groups = {name: Group.of(self.device_mesh.get_group(name)) for name in self.names}
+        # mesh[name].device_mesh is this mesh's own dimension, not a DeviceMesh of its own: DTensors made on it
+        # (nanodist.tp's parameters) and on the mesh (FSDP2 on another dimension) then share one root mesh.
+        for name, g in self._groups.items():
+            pg = g.pg if g.pg is not None else dist.group.WORLD
+            _meshes[(id(pg), g.ranks, g.device.type)] = self.device_mesh[name]
 
     def __getitem__(self, name: str) -> Group:
         if name not in self._groups:

@@ -262,3 +262,45 @@ def test_nanodist_wrappers_refuse_tensor_parallel_parameters_with_a_message():
             assert "takes plain tensors" in message and "fully_shard on the data dimension" in message, (name, message)
         assert "blocks.0.fc1.weight, blocks.0.fc1.bias, blocks.0.fc2.weight" in said["DDP"], said["DDP"]
         assert "param_groups[0][" in said["DistAdamW"], said["DistAdamW"]
+
+
+def gpt_mesh_worker(rank, W, shape):
+    """The course's GPT with nanodist's own tensor parallelism (nanodist.tp) on the tensor dimension, FSDP2 on the
+    data one where it has more than one rank, trained by the Trainer: the one-process losses and norms."""
+    from torch.distributed.fsdp import fully_shard
+
+    import nanodist as nd
+    from nanodist.model import GPT, GPTConfig
+    from nanodist.tp import tensor_parallel
+
+    def gpt():
+        torch.manual_seed(0)
+        return GPT(GPTConfig.preset("tiny", vocab_size=V))
+
+    mesh = nd.Group.world().mesh({"data": shape[0], "tensor": shape[1]})
+    model = tensor_parallel(gpt(), mesh["tensor"])
+    if shape[0] > 1:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh.device_mesh["data"])
+        fully_shard(model, mesh=mesh.device_mesh["data"])
+    trainer = run(model, {"mesh": mesh}, Batches(mesh["data"].rank, MICRO, MICRO * shape[0]), MICRO, shape[0])
+    out = {"rows": [(h["loss"], h["grad_norm"]) for h in trainer.history], "data": mesh["data"].rank}
+    if rank == 0:
+        whole = MICRO * shape[0]
+        ref = run(gpt(), {"group": nd.Group.local()}, Batches(0, whole, whole), whole, 1)
+        out["ref_rows"] = [(h["loss"], h["grad_norm"]) for h in ref.history]
+    return out
+
+
+@pytest.mark.parametrize("W,shape", [(2, (1, 2)), (4, (2, 2))], ids=["1x2-nanodist-tp", "2x2-fsdp2-nanodist-tp"])
+def test_the_gpt_with_nanodist_tp_on_a_mesh_trains_as_one_process(W, shape):
+    """Losses and norms, not parameters: AdamW turns the key bias's zero gradient (rounding noise in both runs)
+    into +-lr updates that differ, but a key bias moves no softmax, so the losses do not see them."""
+    outs = spawn(gpt_mesh_worker, W, args=(shape,), timeout=300)
+    want = outs[0]["ref_rows"]
+    for out in outs:
+        for step, (_, norm) in enumerate(out["rows"]):
+            assert rel(norm, want[step][1]) <= TOL, (step, norm, want[step][1])
+    for step in range(STEPS):
+        losses = {out["data"]: out["rows"][step][0] for out in outs}
+        assert rel(sum(losses.values()) / len(losses), want[step][0]) <= TOL, (step, losses, want[step][0])

@@ -31,6 +31,8 @@ SECTIONS = [
      ["DDP", "NaiveDDP", "FSDP"]),
     ("Optimizers", "Sharded optimizers (Chapter 4): each rank updates only its own part of the state.",
      ["DistAdamW", "DistMuon", "ZeroOptimizer"]),
+    ("Tensor parallelism", "Chapter 9: one layer's matrices split across ranks, Megatron-style.",
+     ["tensor_parallel", "ColumnParallelLinear", "RowParallelLinear"]),
     ("Training", "The one training loop every lab shares.", ["Trainer", "TrainConfig"]),
     ("Checkpoints", "Chapter 6: atomic, checksummed, full or sharded, resumable at any world size.",
      ["CheckpointManager", "CheckpointError", "load_checkpoint"]),
