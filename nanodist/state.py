@@ -48,11 +48,50 @@ def bare_module(model: nn.Module) -> nn.Module:
 
 
 def model_state_dict(model: nn.Module) -> dict:
-    return bare_module(model).state_dict()
+    """The bare model's state dict, its DTensors in layouts a checkpoint can write (`savable`). A collective where
+    one needs converting: every rank calls it."""
+    return {k: savable(v) for k, v in bare_module(model).state_dict().items()}
 
 
 def load_model_state_dict(model: nn.Module, state: dict) -> None:
-    bare_module(model).load_state_dict(state)
+    live = bare_module(model).state_dict()
+    bare_module(model).load_state_dict({k: _relaid(v, live.get(k)) for k, v in state.items()})
+
+
+def savable(t):
+    """A DTensor in a layout torch.distributed.checkpoint can write. DCP stores each rank's piece as one block (an
+    offset and a size) of the global tensor; a piece that is no such block -- nanodist.tp's fused qkv, whose rank r
+    holds its rows of q, of k and of v (_StridedShard on the mesh's last dimension) -- is gathered along that
+    dimension first (Replicate there; FSDP2's sharding on the data dimension stays). Anything else as it is.
+    Loading puts it back in the live layout (`load_model_state_dict`, `like_param`)."""
+    placements = getattr(t, "placements", None)
+    if not placements:
+        return t
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    last = len(placements) - 1
+    if not isinstance(placements[last], _StridedShard):
+        return t
+    if any(not pl.is_replicate() for pl in placements[:last]):
+        # FSDP2 over nanodist.tp's qkv: FSDP2 cuts each rank's [q_r; k_r; v_r] again, a stride within a stride that
+        # torch 2.13's DTensor placements cannot describe (its gather puts the rows in the wrong places)
+        raise ValueError("this model's fused qkv is split head by head by nanodist.tp and sharded again by FSDP2 on "
+                         "a 2-D mesh: torch's DTensor cannot describe that layout, so it cannot be gathered or "
+                         "checkpointed. Training so is right; to checkpoint, keep a data dimension of 1 under "
+                         "nanodist.tp, or use torch's parallelize_module under FSDP2 (its layouts gather)")
+    # the outer dimensions' sharding, plain (FSDP2 strides its own Shard around TP's: with TP's gathered, a plain
+    # Shard of the same dimension is what remains)
+    outer = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements[:last]]
+    whole = full_tensor(t)  # gathered here (and through the host where gloo holds GPU memory): then re-cut
+    return dtensor_like(whole, t, placements=[*outer, Replicate()])
+
+
+def _relaid(t, live):
+    """t in live's layout, where both are DTensors laid out differently (a savable layout coming back)."""
+    if live is None or not hasattr(t, "placements") or not hasattr(live, "placements") or \
+            tuple(t.placements) == tuple(live.placements):
+        return t
+    return dtensor_like(full_tensor(t), live)
 
 
 def _names(model: nn.Module) -> dict[int, str]:
@@ -82,7 +121,7 @@ def optimizer_state_dict(model: nn.Module, optimizer) -> dict:
         init()
     order = [n for _, n in _live(model, optimizer)]
     sd = optimizer.state_dict()
-    return {"state": {order[i]: st for i, st in sd["state"].items()},
+    return {"state": {order[i]: {k: savable(v) for k, v in st.items()} for i, st in sd["state"].items()},
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]}
 
 
@@ -155,7 +194,7 @@ def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A state tensor in the layout of parameter p: a DTensor of p's mesh and placements when p is one (cut
     from a whole tensor if need be); whole, on p's device, otherwise."""
     if hasattr(p, "device_mesh"):
-        return t if hasattr(t, "to_local") else dtensor_like(t, p)
+        return _relaid(t, p) if hasattr(t, "to_local") else dtensor_like(t, p)
     return full_tensor(t).to(p.device)
 
 
@@ -186,15 +225,15 @@ def full_tensor(t: torch.Tensor, via_host: bool | None = None, to_host: bool = F
     return whole if to_host else whole.to(t.device)
 
 
-def dtensor_like(whole: torch.Tensor, like) -> torch.Tensor:
+def dtensor_like(whole: torch.Tensor, like, placements=None) -> torch.Tensor:
     """`like`'s layout (any placements on any mesh: FSDP2's Shard(0), TP's Shard and Replicate, FSDP2 x TP's
-    _StridedShard on a 2-D mesh) filled from a whole tensor every rank has: each rank keeps its own piece, nothing
-    is sent."""
+    _StridedShard on a 2-D mesh), or `placements` on its mesh, filled from a whole tensor every rank has: each rank
+    keeps its own piece, nothing is sent."""
     from torch.distributed.tensor import distribute_tensor
     if tuple(whole.shape) != tuple(like.shape):
         raise ValueError(f"a saved tensor has shape {tuple(whole.shape)}, the model's {tuple(like.shape)}")
-    return distribute_tensor(whole.to(like.to_local().device), like.device_mesh, like.placements,
-                             src_data_rank=None)
+    return distribute_tensor(whole.to(like.to_local().device), like.device_mesh,
+                             like.placements if placements is None else placements, src_data_rank=None)
 
 
 def clone(value):
