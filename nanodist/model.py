@@ -171,7 +171,8 @@ class GPT(nn.Module):
         # LayerNorm keeps torch's default (weight 1, bias 0).
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx: (B, T) token ids, T <= block_size. Returns logits (B, T, vocab) and, with targets (B, T),
+        """idx: (B, T) token ids, T <= block_size. Returns logits (B, T, vocab) -- with the vocabulary split
+        over ranks (nanodist.tp, vocab=True), this rank's (B, T, vocab / ranks) -- and, with targets (B, T),
         the mean cross-entropy over all positions (targets == -1 are ignored); loss is None without targets.
         The loss is computed in float32 even under autocast, so bf16 runs report comparable numbers."""
         B, T = idx.shape
@@ -187,7 +188,9 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-1)
+            # a head split by vocabulary (nanodist.tp) holds a slice of the logits: it brings its own loss
+            cross_entropy = getattr(self.lm_head, "cross_entropy", F.cross_entropy)
+            loss = cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-1)
         return logits, loss
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
@@ -237,6 +240,10 @@ class GPT(nn.Module):
         generator seed gives the same text. temperature=0 is greedy decoding and needs no generator.
         Runs in eval mode (no dropout) and restores the previous mode afterwards.
         """
+        if hasattr(self.lm_head, "cross_entropy"):
+            raise ValueError("this model's output layer is split by vocabulary (nanodist.tp, vocab=True): each rank "
+                             "holds a slice of the logits, so it cannot sample alone; generate with the unsplit "
+                             "model (load its checkpoint into one process)")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if temperature > 0 and generator is None:

@@ -62,12 +62,13 @@ def savable(t):
     """A DTensor in a layout torch.distributed.checkpoint can write. DCP stores each rank's piece as one block (an
     offset and a size) of the global tensor; a piece that is no such block -- nanodist.tp's fused qkv, whose rank r
     holds its rows of q, of k and of v (_StridedShard on the mesh's last dimension) -- is gathered along that
-    dimension first (Replicate there; FSDP2's sharding on the data dimension stays). Anything else as it is.
-    Loading puts it back in the live layout (`load_model_state_dict`, `like_param`)."""
+    dimension first (Replicate there). Sharded again on an outer dimension (FSDP2 over it) it is refused, with the
+    reason. Anything else as it is. Loading puts it back in the live layout (`load_model_state_dict`,
+    `like_param`)."""
     placements = getattr(t, "placements", None)
     if not placements:
         return t
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.placement_types import _StridedShard
     last = len(placements) - 1
     if not isinstance(placements[last], _StridedShard):
@@ -79,19 +80,18 @@ def savable(t):
                          "a 2-D mesh: torch's DTensor cannot describe that layout, so it cannot be gathered or "
                          "checkpointed. Training so is right; to checkpoint, keep a data dimension of 1 under "
                          "nanodist.tp, or use torch's parallelize_module under FSDP2 (its layouts gather)")
-    # the outer dimensions' sharding, plain (FSDP2 strides its own Shard around TP's: with TP's gathered, a plain
-    # Shard of the same dimension is what remains)
-    outer = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements[:last]]
     whole = full_tensor(t)  # gathered here (and through the host where gloo holds GPU memory): then re-cut
-    return dtensor_like(whole, t, placements=[*outer, Replicate()])
+    return dtensor_like(whole, t, placements=[*placements[:last], Replicate()])
 
 
 def _relaid(t, live):
-    """t in live's layout, where both are DTensors laid out differently (a savable layout coming back)."""
-    if live is None or not hasattr(t, "placements") or not hasattr(live, "placements") or \
-            tuple(t.placements) == tuple(live.placements):
+    """t in live's layout where live is a DTensor: a whole tensor cut, a DTensor laid out otherwise (a savable
+    layout coming back) gathered and cut. Anything else as it is."""
+    if live is None or not hasattr(live, "placements") or not torch.is_tensor(t):
         return t
-    return dtensor_like(full_tensor(t), live)
+    if not hasattr(t, "placements"):
+        return dtensor_like(t, live)
+    return t if tuple(t.placements) == tuple(live.placements) else dtensor_like(full_tensor(t), live)
 
 
 def _names(model: nn.Module) -> dict[int, str]:

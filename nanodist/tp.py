@@ -28,6 +28,11 @@ unsplit layout. The arithmetic runs on the local pieces (`to_local()`), with the
 DTensors are there so that the state, the checkpoints and the global gradient norm see the whole tensors. The
 layers outside the blocks (embedding, norms, the head) stay replicated: every rank computes them alike, and
 their gradients come out equal on every rank (f's all-reduce made dL/dx whole before they see it).
+
+`tensor_parallel(model, tp, vocab=True)` splits the vocabulary too, where a large one makes the embedding and
+the logits the biggest tensors: each rank keeps V/n rows of the (tied) table, an embedding lookup is g over the
+ranks' masked rows, the head is column-parallel, and the loss (VocabParallelCrossEntropy) is computed from the
+split logits with three all-reduces of one number per position, never gathering B x T x V.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import diverge
 from .group import Group
 from .sync import all_reduce_sum
 
@@ -43,6 +49,16 @@ def _all_reduce(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
     out = t.contiguous().clone()  # autograd's tensors are not summed in place
     all_reduce_sum(out, group, what).wait()
     return out
+
+
+def _all_reduce_max(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
+    if group.size == 1:
+        return t
+    import torch.distributed as dist
+    out = t.detach().contiguous().to(group.comm_device, copy=True)
+    with diverge.waiting(diverge.issue(group, what)):
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group.pg)
+    return out.to(t.device)
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -99,9 +115,8 @@ class ColumnParallelLinear(nn.Module):
         placement = Shard(0) if split == 1 else _StridedShard(0, split_factor=split)
         self.weight = _shard(linear.weight, group, placement)
         self.bias = None if linear.bias is None else _shard(linear.bias, group, placement)
-        for attr in ("residual",):  # marks the model's initialisation reads
-            if hasattr(linear, attr):
-                setattr(self, attr, getattr(linear, attr))
+        if hasattr(linear, "residual"):  # the GPT's mark for its scaled initialisation, kept with the layer
+            self.residual = linear.residual  # (the values are initialised already: a built model is split)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = CopyToTensorParallel.apply(x, self.group)
@@ -136,11 +151,85 @@ class RowParallelLinear(nn.Module):
                 f"out_features={self.out_features}, ranks={self.group.size}")
 
 
-def tensor_parallel(model: nn.Module, group=None) -> nn.Module:
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose vocabulary is split: rank r keeps rows r of the table (its tokens' vectors), looks up the
+    ids that fall in its range, writes zeros for the others, and the all-reduce (g) adds the ranks' rows into the
+    whole lookup: every id is in exactly one rank's range."""
+
+    def __init__(self, embedding: nn.Embedding, group: Group, name: str = "embedding"):
+        super().__init__()
+        from torch.distributed.tensor import Shard
+        _check_divides(name, embedding.num_embeddings, "vocabulary", group)
+        self.group = group
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.per_rank = embedding.num_embeddings // group.size
+        self.start = group.rank * self.per_rank
+        self.weight = _shard(embedding.weight, group, Shard(0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight.to_local())
+        return ReduceFromTensorParallel.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (this rank: ids {self.start} to "
+                f"{self.start + self.per_rank - 1}), ranks={self.group.size}")
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of logits split by vocabulary (rank r holds columns start..start + V/n), without
+    gathering them: three all-reduces of one number per position -- the largest logit (MAX, for a stable softmax),
+    the softmax's denominator (SUM), the target's logit (SUM, from the one rank that holds it). Backward needs no
+    communication: each rank's slice of the gradient is its slice of softmax - one-hot. Unlike F.cross_entropy,
+    a target outside the vocabulary is not detected (checking would wait for the device)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, group, ignore_index=-1):
+        n_local = logits.shape[-1]
+        top = _all_reduce_max(logits.max(dim=-1).values, group, "TP loss: the largest logit")
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        denominator = _all_reduce(exp.sum(dim=-1), group, "TP loss: the softmax's denominators")
+        local = targets - start
+        valid = targets != ignore_index
+        here = (local >= 0) & (local < n_local) & valid
+        index = local.clamp(0, n_local - 1)
+        picked = shifted.gather(1, index.unsqueeze(1)).squeeze(1).masked_fill(~here, 0.0)
+        picked = _all_reduce(picked, group, "TP loss: the targets' logits")
+        count = valid.sum()
+        loss = ((denominator.log() - picked) * valid).sum() / count  # every target ignored: NaN, as torch's
+        ctx.save_for_backward(exp / denominator.unsqueeze(-1), index, here, valid, count.clamp(min=1))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, here, valid, count = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(1, index.unsqueeze(1), -here.to(g.dtype).unsqueeze(1))
+        g.mul_((valid.to(g.dtype) / count).unsqueeze(1) * grad)
+        return g, None, None, None, None
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The output layer split by vocabulary (column-parallel: each rank computes its slice of the logits) with its
+    own cross_entropy, which the course's GPT calls instead of F.cross_entropy: the logits stay split."""
+
+    def __init__(self, linear: nn.Linear, group: Group, name: str = "lm_head"):
+        super().__init__(linear, group, name=name)
+        self.start = group.rank * (linear.out_features // group.size)
+
+    def cross_entropy(self, logits, targets, ignore_index: int = -1):
+        return VocabParallelCrossEntropy.apply(logits, targets, self.start, self.group, ignore_index)
+
+
+def tensor_parallel(model: nn.Module, group=None, vocab: bool = False) -> nn.Module:
     """Split every block of the course's GPT over `group` (default: the world), in place: the MLP's fc
     column-parallel and proj row-parallel, the attention's qkv column-parallel head by head and proj
-    row-parallel. Every rank must hold the same model (rank 0's is broadcast first, as DDP does) and feed it the
-    same batches. Returns the model."""
+    row-parallel. vocab=True splits the token embedding and the output layer by vocabulary too (tied, they stay
+    one parameter), and the loss is then computed from the split logits (VocabParallelCrossEntropy): the logits
+    the model returns are this rank's slice. Every rank must hold the same model (rank 0's is broadcast first, as
+    DDP does) and feed it the same batches. Returns the model."""
     group = Group.resolve(group)
     blocks = getattr(model, "blocks", None)
     if blocks is None:
@@ -158,4 +247,11 @@ def tensor_parallel(model: nn.Module, group=None) -> nn.Module:
         block.attn.proj = RowParallelLinear(block.attn.proj, group, name=f"blocks.{i}.attn.proj")
         block.mlp.fc = ColumnParallelLinear(block.mlp.fc, group, name=f"blocks.{i}.mlp.fc")
         block.mlp.proj = RowParallelLinear(block.mlp.proj, group, name=f"blocks.{i}.mlp.proj")
+    if vocab:
+        tied = model.lm_head.weight is model.wte.weight
+        model.wte = VocabParallelEmbedding(model.wte, group, name="wte")
+        head = VocabParallelHead(model.lm_head, group, name="lm_head")
+        if tied:
+            head.weight = model.wte.weight
+        model.lm_head = head
     return model

@@ -3,7 +3,8 @@
 The course's GPT split over TP = 1, 2 and 4 ranks gives the one-process loss, gradients (gathered whole from their
 DTensors) and global gradient norm; three SGD steps leave the same parameters; a block costs exactly two
 all-reduces forward and two backward, of the activations' size; TP = 3 (4 heads) stops with a message naming the
-shape; an MLP split by nanodist equals the same MLP split by torch's ColwiseParallel / RowwiseParallel; a planted
+shape; with the vocabulary split too (embedding, head and a loss that never gathers the logits) the same holds;
+an MLP split by nanodist equals the same MLP split by torch's ColwiseParallel / RowwiseParallel; a planted
 1.001 on one rank's slab is caught."""
 import pytest
 import torch
@@ -32,20 +33,22 @@ def batch(step=0):
 
 
 def close(got, want, what):
-    scale = max(float(want.abs().max()), 1.0)
+    # relative to the tensor's largest value; the floor only keeps a gradient that is rounding noise in both runs
+    # (the key bias's: its true value is zero) from being compared to itself
+    scale = max(float(want.abs().max()), 1e-3)
     diff = float((got - want).abs().max())
     assert diff <= TOL * scale, f"{what}: differs by {diff:.2e} (tolerance {TOL * scale:.1e})"
     return diff
 
 
-def gpt_worker(rank, W, planted=False):
+def gpt_worker(rank, W, planted=False, vocab=False):
     import nanodist as nd
     from nanodist import tp as tp_module
     from nanodist.parallel import clip_grad_norm_
     from nanodist.state import full_tensor
     group = nd.Group.world()
     plain, model = gpt(), gpt()
-    tp_module.tensor_parallel(model, group)
+    tp_module.tensor_parallel(model, group, vocab=vocab)
     if planted and rank == W - 1:
         with torch.no_grad():
             model.blocks[0].mlp.fc.weight.to_local().mul_(1.001)
@@ -59,6 +62,9 @@ def gpt_worker(rank, W, planted=False):
 
     tp_module.all_reduce_sum = counting
     x, y = batch()
+    if vocab:  # some positions ignored (target -1), as F.cross_entropy's ignore_index: the mean is over the rest
+        y = y.clone()
+        y[:, :3] = -1
     _, loss = model(x, y)
     forward = list(sent)
     loss.backward()
@@ -72,6 +78,12 @@ def gpt_worker(rank, W, planted=False):
     out["norm"] = (float(clip_grad_norm_(list(model.parameters()), float("inf"))),
                    float(torch.nn.utils.clip_grad_norm_(plain.parameters(), float("inf"))))
     out["local"] = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if hasattr(p, "to_local")}
+    if vocab:  # a rank holds a slice of the logits: sampling alone would pick from it
+        try:
+            model.generate(x[:, :2], 1, temperature=0)
+            out["generate"] = "sampled"
+        except ValueError as e:
+            out["generate"] = str(e)
     if planted:
         return out
     # three steps (the first above): the same parameters. SGD with momentum, not AdamW: the key bias's true gradient
@@ -90,9 +102,10 @@ def gpt_worker(rank, W, planted=False):
     return out
 
 
-@pytest.mark.parametrize("W", [1, 2, 4])
-def test_the_gpt_split_over_w_ranks_equals_one_process(W):
-    for rank, out in enumerate(spawn(gpt_worker, W, timeout=180)):
+@pytest.mark.parametrize("W,vocab", [(1, False), (2, False), (4, False), (2, True), (4, True)],
+                         ids=["tp1", "tp2", "tp4", "tp2-vocab", "tp4-vocab"])
+def test_the_gpt_split_over_w_ranks_equals_one_process(W, vocab):
+    for rank, out in enumerate(spawn(gpt_worker, W, kwargs={"vocab": vocab}, timeout=180)):
         got, want = out["loss"]
         assert abs(got - want) <= TOL * abs(want), out["loss"]
         for name, (g, w) in out["grads"].items():
@@ -111,14 +124,22 @@ def test_the_gpt_split_over_w_ranks_equals_one_process(W):
         # column-parallel one), each of the activations' size: B x T x C fp32 values
         n_layer, act = 2, B * T * C * 4
         want_count = 0 if W == 1 else 2 * n_layer
-        assert [b for _, b in out["forward"]] == [act] * want_count, out["forward"]
-        assert [b for _, b in out["backward"]] == [act] * want_count, out["backward"]
+        if not vocab:
+            assert [b for _, b in out["forward"]] == [act] * want_count, out["forward"]
+            assert [b for _, b in out["backward"]] == [act] * want_count, out["backward"]
+        else:  # + the embedding's g forward and the head's f backward (activations), and the loss's denominators
+            # and target logits (one fp32 number per position; the MAX all-reduce before them is not counted here)
+            assert out["local"]["wte.weight"] == (VOCAB // W, C)
+            assert "split by vocabulary" in out["generate"], out["generate"]
+            assert [b for _, b in out["forward"]] == [act] * (1 + want_count) + [B * T * 4] * 2, out["forward"]
+            assert [b for _, b in out["backward"]] == [act] * (want_count + 1), out["backward"]
 
 
 def test_a_planted_error_on_one_ranks_slab_is_caught():
     out = spawn(gpt_worker, 2, kwargs={"planted": True}, timeout=180)[0]
     g, w = out["grads"]["blocks.0.mlp.fc.weight"]
-    assert float((g - w).abs().max()) > 10 * TOL * float(w.abs().max())
+    with pytest.raises(AssertionError, match="differs by"):  # the very check the equivalence test makes
+        close(g, w, "planted")
 
 
 def heads_worker(rank, W):
