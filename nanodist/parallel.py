@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .group import Group
-from .state import full_tensor
+from .state import full_tensor, is_dtensor
 
 
 @runtime_checkable
@@ -48,13 +48,12 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     parameters in the same order. Where torch.nn.utils.clip_grad_norm_ refuses DTensor and plain gradients mixed,
     or DTensors on different meshes (tensor parallelism beside replicated layers), this is the norm to use."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     locals_, plain, sharded = [], [], {}  # sharded: (mesh, dims) -> squares, one all-reduce per kind of layout
     for g in grads:
-        if isinstance(g, DTensor):
+        if is_dtensor(g):
             if any(pl.is_partial() for pl in g.placements):
                 raise ValueError(f"clip_grad_norm_: a gradient with placements {g.placements} holds a pending sum "
                                  f"(Partial): redistribute it to Shard or Replicate first")
@@ -91,14 +90,9 @@ def _local_clip(params, max_norm: float) -> torch.Tensor:
     # DTensor gradients (tensor parallelism, FSDP2 on a mesh) may sit beside plain ones or on several meshes, which
     # torch's clip_grad_norm_ refuses: the placement-aware norm above takes them all.
     params = [p for p in params if p.grad is not None]
-    if any(_is_dtensor(p.grad) for p in params):
+    if any(is_dtensor(p.grad) for p in params):
         return clip_grad_norm_(params, max_norm)
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
 
 
 class _TorchDDP:

@@ -33,6 +33,11 @@ import torch
 import torch.nn as nn
 
 
+def is_dtensor(t) -> bool:
+    """A torch DTensor (tensor parallelism, FSDP2), told by its type's name: no import of torch's DTensor here."""
+    return type(t).__name__ == "DTensor"
+
+
 def bare_module(model: nn.Module) -> nn.Module:
     """The module whose parameter names are the bare model's: through torch DDP (`.module`), torch.compile
     (`._orig_mod`) and any wrapper that names it as its `state_module` (nanodist's DDP), in any nesting."""
@@ -65,9 +70,9 @@ def savable(t):
     dimension first (Replicate there). Sharded again on an outer dimension (FSDP2 over it) it is refused, with the
     reason. Anything else as it is. Loading puts it back in the live layout (`load_model_state_dict`,
     `like_param`)."""
-    placements = getattr(t, "placements", None)
-    if not placements:
+    if not is_dtensor(t):
         return t
+    placements = t.placements
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.placement_types import _StridedShard
     last = len(placements) - 1
@@ -87,9 +92,9 @@ def savable(t):
 def _relaid(t, live):
     """t in live's layout where live is a DTensor: a whole tensor cut, a DTensor laid out otherwise (a savable
     layout coming back) gathered and cut. Anything else as it is."""
-    if live is None or not hasattr(live, "placements") or not torch.is_tensor(t):
+    if not is_dtensor(live) or not torch.is_tensor(t):
         return t
-    if not hasattr(t, "placements"):
+    if not is_dtensor(t):
         return dtensor_like(t, live)
     return t if tuple(t.placements) == tuple(live.placements) else dtensor_like(full_tensor(t), live)
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from . import diverge
 from .collectives import ring_all_gather, ring_reduce_scatter
 from .group import Group
+from .state import is_dtensor
 
 _ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run a function when backward ends
 
@@ -74,8 +75,7 @@ def refuse_dtensors(named, who: str) -> None:
     """nanodist's wrappers and sharded optimizers pack plain tensors into flat buffers: a DTensor parameter (tensor
     parallelism, or a model sharded already) would be packed by its local piece as if it were whole. Say so at
     once, naming the first few, and what to do instead."""
-    from torch.distributed.tensor import DTensor
-    bad = [name for name, t in named if isinstance(t, DTensor)]
+    bad = [name for name, t in named if is_dtensor(t)]
     if bad:
         listed = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
         raise ValueError(f"{who} takes plain tensors, and {listed} {'is a DTensor' if len(bad) == 1 else 'are DTensors'}"

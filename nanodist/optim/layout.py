@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..state import is_dtensor  # noqa: F401 -- the sharded optimizers' import of it
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -33,8 +35,6 @@ def slice_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, numel)
 
 
-def is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 
