@@ -11,7 +11,7 @@ from torch import nn
 
 from nanodist.testing import spawn
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.numerical]  # fp32 sums in another order: the second kernel path too
 V, D, T, MICRO, STEPS = 32, 16, 8, 2, 3
 # fp32, the same arithmetic split differently (row-parallel partial sums, sharded squares of the norm): a few
 # roundings of values of O(1), ~1e-7 relative; 1e-5 leaves a margin of 100. A rank's loss scaled by 1.001 moves the
