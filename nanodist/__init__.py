@@ -17,7 +17,7 @@ from .optim import DistAdamW, DistMuon, ZeroOptimizer
 from .launch import LaunchError, LaunchResult, LaunchTimeout, launch
 from .results import Recorder
 from .train import TrainConfig, Trainer
-from .tp import ColumnParallelLinear, RowParallelLinear, tensor_parallel
+from .tp import ColumnParallelLinear, RowParallelLinear, record_traffic, tensor_parallel
 from .runtime import (DistConfigError, DistInfo, dist_info, get_logger, get_rank, get_world_size, init,
                       print0, seed_everything, shutdown)
 
@@ -27,5 +27,5 @@ __all__ = [
     "print0", "get_logger", "seed_everything", "launch", "LaunchResult", "LaunchError", "LaunchTimeout",
     "Recorder", "DDP", "NaiveDDP", "FSDP", "DistAdamW", "DistMuon", "ZeroOptimizer", "Group", "Mesh",
     "Trainer", "TrainConfig", "CheckpointManager", "CheckpointError", "load_checkpoint",
-    "tensor_parallel", "ColumnParallelLinear", "RowParallelLinear",
+    "tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "record_traffic",
 ]

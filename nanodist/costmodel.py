@@ -258,6 +258,66 @@ def bytes_per_step(strategy: str, model_bytes: float, world_size: int) -> float:
     return sum(times * busbw_factor(op, world_size) * model_bytes for op, times in SYNC_COLLECTIVES[strategy])
 
 
+# ----------------------------------------------------------------------------- tensor parallelism, per layer
+
+def tensor_parallel_traffic(batch: int, seq_len: int, n_embd: int, tp: int, sequence: bool = False, *,
+                            act_bytes: int = 4, grad_bytes: int = 4, bias: bool = True) -> dict:
+    """The collectives one transformer block costs under tensor parallelism over `tp` ranks, for one micro-batch
+    of `batch` sequences of `seq_len` tokens: {(phase, kind, bytes): count}, with bytes the collective's whole
+    tensor (as nanodist.tp.record_traffic counts it). S = batch x seq_len x n_embd x act_bytes, the activations.
+
+        TP  forward   2 all-reduces of S      (g after attention's and the MLP's row-parallel layer)
+            backward  2 all-reduces of S      (f before their column-parallel layers)
+        SP  forward   2 all-gathers of S (f) + 2 reduce-scatters of S (g)
+            backward  2 all-gathers of S (g's gradient) + 2 reduce-scatters of S (f's gradient)
+                      + 2 all-gathers of S: each column-parallel layer gathers its saved shard again for its
+                        weight's gradient (it kept 1/tp of its input: SP's memory saving)
+                      + one all-reduce per replicated parameter used on a rank's positions only (both LayerNorms'
+                        weight and bias, the two row-parallel biases), of n_embd x grad_bytes each
+
+    A ring all-reduce is a reduce-scatter and an all-gather, so SP's forward moves TP's bytes. With tp = 1
+    nothing is sent: {}."""
+    if tp == 1:
+        return {}
+    S = batch * seq_len * n_embd * act_bytes
+    if not sequence:
+        return {("forward", "all-reduce", S): 2, ("backward", "all-reduce", S): 2}
+    out = {("forward", "all-gather", S): 2, ("forward", "reduce-scatter", S): 2,
+           ("backward", "all-gather", S): 4, ("backward", "reduce-scatter", S): 2}
+    out[("backward", "all-reduce", n_embd * grad_bytes)] = 6 if bias else 2
+    return out
+
+
+def ring_bytes(traffic: dict, tp: int) -> float:
+    """Bytes each rank sends for `traffic` ({(phase, kind, bytes): count}) on a ring of tp ranks: 2(tp-1)/tp of
+    an all-reduce's size, (tp-1)/tp of an all-gather's or a reduce-scatter's."""
+    factor = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter"}
+    return sum(count * busbw_factor(factor[kind], tp) * nbytes for (_, kind, nbytes), count in traffic.items())
+
+
+def activation_bytes(batch: int, seq_len: int, n_embd: int, n_head: int, tp: int = 1, sequence: bool = False, *,
+                     act_bytes: int = 4) -> dict:
+    """What one block of the course's GPT saves for backward, per rank (bytes), with tensor parallelism over tp
+    ranks and optionally sequence parallelism: the Megatron-LM activation formula (Korthikanti et al. 2022) for
+    this model. Per token and channel (b s h = batch x seq_len x n_embd values):
+
+        replicated under TP   4   the two LayerNorms' inputs, the qkv and fc layers' inputs
+        split by TP          12   q, k, v (3), attention's output, which is proj's input (1), GELU's input (4),
+                                  the MLP proj's input (4)
+        no parallelism:  16 bsh      TP: (4 + 12/tp) bsh      TP + SP: 16/tp bsh   (x act_bytes)
+
+    Megatron's 34 bsh + 5 a s^2 b (fp16) counts dropout masks (none here: dropout 0) and the attention's s x s
+    scores, which the fused attention kernel never stores: it keeps one number per row instead (its logsumexp),
+    and writes its output in (b, s, heads, d) order, so proj's input is a view of it, not a copy. Each LayerNorm
+    keeps two numbers per row (mean and 1/std). These small terms: b x s x (heads/tp + 4 (/tp under SP)) fp32
+    values. Returns {"main": ..., "small": ..., "total": ...}."""
+    bsh = batch * seq_len * n_embd
+    main = (16 * bsh / tp if sequence else (4 + 12 / tp) * bsh) * act_bytes
+    rows = batch * seq_len
+    small = 4 * (rows * n_head / tp + 4 * rows / (tp if sequence else 1))
+    return {"main": main, "small": small, "total": main + small}
+
+
 # ----------------------------------------------------------------------------- how often to checkpoint
 
 def young_daly_interval(save_s: float, mtbf_s: float) -> float:

@@ -341,6 +341,10 @@ def memory_calculator(num_params: float = 7e9, world_size: int = 8, stage: int =
 
 # ----------------------------------------------------------------------------- memory over a step
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 class LiveBytes:
     """Our own account of the bytes that come and go during a step, by kind, in the order they happen.
 
@@ -350,15 +354,19 @@ class LiveBytes:
         live.peak, live.at_peak                             # the largest total, and what it was made of
 
     Two kinds are counted: "activations" -- every tensor autograd saves for backward, except parameters and
-    views of them, counted once per storage while any saved reference to it is alive (added when saved, removed when backward has unpacked it for the
+    views of them (and, given `parameters=model.parameters()`, tensors on their storage: a DTensor parameter's
+    local piece, which tensor parallelism multiplies by, is not a view autograd can see through), counted once per storage while any saved reference to it is alive (added when saved, removed when backward has unpacked it for the
     last time) -- and "gathered" -- FSDP units' full parameter buffers, between their gather and their free. What
     a step holds throughout (parameters or shards, gradients, optimizer state) is measure_memory's business; add
     it to get the step's peak. Temporaries inside an operation are not counted: allocated_peak() measures those
     too, from the allocator, and the difference is the workspace of the operations.
     """
 
-    def __init__(self, clock=None):
+    def __init__(self, clock=None, parameters=()):
         self.events: list[tuple] = []  # (kind, +/- bytes, clock()) in order
+        # parameters whose storage autograd may see under another tensor (a DTensor's local piece, which tensor
+        # parallelism multiplies by): saved, they are parameters, not activations
+        self._parameters = {_local(p).untyped_storage().data_ptr() for p in parameters}
         self._clock = clock or (lambda: len(self.events))  # e.g. an AllocationTracker's operation count
         self._saved: dict[tuple, list] = {}  # storage -> [bytes, references alive]
         self._gathered: dict[str, int] = {}
@@ -370,6 +378,8 @@ class LiveBytes:
     def _pack(self, t: torch.Tensor):
         base = t if t._base is None else t._base
         if base.is_leaf and base.requires_grad:  # a parameter (or a view of one, as FSDP's are): not an activation
+            return (t, None)
+        if self._parameters and t.untyped_storage().data_ptr() in self._parameters:
             return (t, None)
         key = (t.device, t.untyped_storage().data_ptr())
         entry = self._saved.get(key)

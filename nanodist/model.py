@@ -14,6 +14,7 @@ heads still runs the same code.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -81,15 +82,19 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj.residual = True  # GPT._init_weights scales it down: see there
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # Where the attention's dropout draws its masks: torch's generator. Tensor parallelism gives a rank some of
+        # the heads, and this a stream of its own (nanodist.tp.ShardedRandom): its heads are not the others'.
+        self.heads_random = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)
+        B, T, _ = q.shape  # the whole sequence (with sequence parallelism, x held this rank's positions only)
         # (B, T, C) -> (B, heads, T, head_dim). The head count is inferred (-1), not read from the config,
         # so the same code runs when tensor parallelism gives this rank only some of the heads.
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        with self.heads_random() if p and self.heads_random is not None else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
 

@@ -17,13 +17,14 @@ pytestmark = [pytest.mark.dist, pytest.mark.numerical]  # fp32 sums in another o
 # computed apart): a few roundings of O(1) values, ~1e-7; 1e-5 leaves a margin of 100. The planted error (one rank's
 # slab x 1.001) moves gradients by ~1e-3 of their size.
 TOL = 1e-5
-VOCAB, T, B = 64, 16, 4
+VOCAB, T, B = 64, 16, 2  # B x T = 32 positions: the loss's per-position all-reduces (128 bytes) differ in size
+# from a LayerNorm's gradient (C = 64: 256 bytes), so the traffic's sizes tell them apart
 
 
-def gpt():
+def gpt(**changes):
     from nanodist.model import GPT, GPTConfig
     torch.manual_seed(0)
-    return GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, block_size=T))
+    return GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, block_size=T, **changes))
 
 
 def batch(step=0):
@@ -41,38 +42,29 @@ def close(got, want, what):
     return diff
 
 
-def gpt_worker(rank, W, planted=False, vocab=False):
+def gpt_worker(rank, W, planted=False, vocab=False, sequence=False):
     import nanodist as nd
     from nanodist import tp as tp_module
     from nanodist.parallel import clip_grad_norm_
     from nanodist.state import full_tensor
     group = nd.Group.world()
     plain, model = gpt(), gpt()
-    tp_module.tensor_parallel(model, group, vocab=vocab)
+    tp_module.tensor_parallel(model, group, vocab=vocab, sequence=sequence)
     if planted and rank == W - 1:
         with torch.no_grad():
             model.blocks[0].mlp.fc.weight.to_local().mul_(1.001)
-    sent = []  # every all-reduce TP runs: (what, bytes)
-    real = tp_module.all_reduce_sum
-
-    def counting(t, g, what="all-reduce"):
-        if g.size > 1:  # a world of one sends nothing
-            sent.append((what, t.numel() * t.element_size()))
-        return real(t, g, what)
-
-    tp_module.all_reduce_sum = counting
     x, y = batch()
     if vocab:  # some positions ignored (target -1), as F.cross_entropy's ignore_index: the mean is over the rest
         y = y.clone()
         y[:, :3] = -1
-    _, loss = model(x, y)
-    forward = list(sent)
-    loss.backward()
-    backward = sent[len(forward):]
-    tp_module.all_reduce_sum = real
+    with tp_module.record_traffic() as sent:  # every collective TP runs, with its size
+        _, loss = model(x, y)
+        forward = len(sent)
+        loss.backward()
     _, want = plain(x, y)
     want.backward()
-    out = {"loss": (float(loss.detach()), float(want.detach())), "forward": forward, "backward": backward, "grads": {}}
+    out = {"loss": (float(loss.detach()), float(want.detach())), "grads": {},
+           "traffic": [("forward" if i < forward else "backward", s.kind, s.nbytes) for i, s in enumerate(sent)]}
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         out["grads"][name] = (full_tensor(p.grad), q.grad)
     out["norm"] = (float(clip_grad_norm_(list(model.parameters()), float("inf"))),
@@ -102,10 +94,40 @@ def gpt_worker(rank, W, planted=False, vocab=False):
     return out
 
 
-@pytest.mark.parametrize("W,vocab", [(1, False), (2, False), (4, False), (2, True), (4, True)],
-                         ids=["tp1", "tp2", "tp4", "tp2-vocab", "tp4-vocab"])
-def test_the_gpt_split_over_w_ranks_equals_one_process(W, vocab):
-    for rank, out in enumerate(spawn(gpt_worker, W, kwargs={"vocab": vocab}, timeout=180)):
+def outside_the_blocks(W, vocab, sequence):
+    """The collectives outside the blocks, itemised: {(phase, kind, bytes): count}."""
+    from collections import Counter
+    C = 64
+    S = B * T * C * 4  # the activations, fp32
+    out = Counter()
+    if W == 1:
+        return out
+    if vocab:  # the embedding's g; the loss's MAX, denominators and targets' logits (one number per position)
+        out[("forward", "all-reduce", S)] += 1
+        out[("forward", "all-reduce", B * T * 4)] += 3
+    if vocab and not sequence:
+        out[("backward", "all-reduce", S)] += 1  # the head's f
+    if sequence:
+        out[("backward", "all-gather", S)] += 1  # the split after the embeddings: its gradient gathered
+        out[("backward", "all-reduce", C * 4)] += 2  # the final LayerNorm's weight and bias
+        out[("forward", "all-gather", S)] += 1  # the final norm's output (or the vocab head's input) gathered
+        if vocab:  # the head is column-parallel under SP: its input's gradient reduce-scattered, its shard regathered
+            out[("backward", "reduce-scatter", S)] += 1
+            out[("backward", "all-gather", S)] += 1
+    return out
+
+
+@pytest.mark.parametrize("W,vocab,sequence", [(1, False, False), (2, False, False), (4, False, False),
+                                              (2, True, False), (4, True, False), (2, False, True), (4, False, True),
+                                              (2, True, True), (4, True, True)],
+                         ids=["tp1", "tp2", "tp4", "tp2-vocab", "tp4-vocab", "tp2-sp", "tp4-sp", "tp2-vocab-sp",
+                              "tp4-vocab-sp"])
+def test_the_gpt_split_over_w_ranks_equals_one_process(W, vocab, sequence):
+    from collections import Counter
+
+    from nanodist.costmodel import tensor_parallel_traffic
+    outs = spawn(gpt_worker, W, kwargs={"vocab": vocab, "sequence": sequence}, timeout=180)
+    for rank, out in enumerate(outs):
         got, want = out["loss"]
         assert abs(got - want) <= TOL * abs(want), out["loss"]
         for name, (g, w) in out["grads"].items():
@@ -120,19 +142,16 @@ def test_the_gpt_split_over_w_ranks_equals_one_process(W, vocab):
         assert out["local"]["blocks.0.mlp.fc.weight"] == (4 * C // W, C)
         assert out["local"]["blocks.0.mlp.proj.weight"] == (C, 4 * C // W)
         assert out["local"]["blocks.0.attn.proj.bias"] == (C,)  # replicated
-        # two all-reduces a block forward (g after each row-parallel layer) and two backward (f before each
-        # column-parallel one), each of the activations' size: B x T x C fp32 values
-        n_layer, act = 2, B * T * C * 4
-        want_count = 0 if W == 1 else 2 * n_layer
-        if not vocab:
-            assert [b for _, b in out["forward"]] == [act] * want_count, out["forward"]
-            assert [b for _, b in out["backward"]] == [act] * want_count, out["backward"]
-        else:  # + the embedding's g forward and the head's f backward (activations), and the loss's denominators
-            # and target logits (one fp32 number per position; the MAX all-reduce before them is not counted here)
+        # the collectives counted in the run are the formula's, per block, exactly: TP 2 all-reduces of the
+        # activations forward and 2 backward; SP all-gathers and reduce-scatters (costmodel.tensor_parallel_traffic)
+        n_layer = 2
+        want = Counter({k: n * n_layer for k, n in tensor_parallel_traffic(B, T, C, W, sequence).items()})
+        want += outside_the_blocks(W, vocab, sequence)
+        assert Counter(map(tuple, out["traffic"])) == want, (sorted(Counter(map(tuple, out["traffic"])).items()),
+                                                             sorted(want.items()))
+        if vocab:
             assert out["local"]["wte.weight"] == (VOCAB // W, C)
             assert "split by vocabulary" in out["generate"], out["generate"]
-            assert [b for _, b in out["forward"]] == [act] * (1 + want_count) + [B * T * 4] * 2, out["forward"]
-            assert [b for _, b in out["backward"]] == [act] * (want_count + 1), out["backward"]
 
 
 def test_a_planted_error_on_one_ranks_slab_is_caught():
@@ -190,3 +209,92 @@ def test_an_mlp_split_by_nanodist_equals_torchs_parallelize_module():
     for out in spawn(mlp_worker, 2, timeout=120):
         assert out["out"] <= TOL and out["dx"] <= TOL, out  # the same matmuls; sums may meet in another order
         assert all(d <= TOL for d in out["grads"].values()), out
+
+
+def activation_worker(rank, W, sequence):
+    """What block 0 saves for backward on this rank, counted by autograd's saved-tensor hooks."""
+    import nanodist as nd
+    from nanodist.memory import LiveBytes
+    from nanodist.tp import tensor_parallel
+    model = gpt()
+    if W > 1:
+        tensor_parallel(model, nd.Group.world(), sequence=sequence)
+    live = LiveBytes(parameters=model.parameters())  # a DTensor's local piece is a parameter, not an activation
+    tracking = []
+    model.blocks[0].register_forward_pre_hook(lambda m, a: tracking.append(live.track()) or tracking[-1].__enter__())
+    model.blocks[0].register_forward_hook(lambda m, a, o: tracking[-1].__exit__(None, None, None))
+    model(*batch())
+    return sum(delta for _, delta, _ in live.events if delta > 0)
+
+
+@pytest.mark.parametrize("W,sequence", [(1, False), (2, False), (4, False), (2, True), (4, True)],
+                         ids=["tp1", "tp2", "tp4", "tp2-sp", "tp4-sp"])
+def test_a_blocks_saved_activations_are_the_formulas(W, sequence):
+    """Exactly, in bytes: fp32 on a CPU, whose fused attention kernel keeps no T x T scores (one logsumexp per
+    row) and writes its output in the order the projection reads it (costmodel.activation_bytes says which
+    tensor is which). TP leaves 4 of the 16 b s h replicated; SP splits them too."""
+    from nanodist.costmodel import activation_bytes
+    want = activation_bytes(B, T, 64, 4, W, sequence)["total"]
+    for got in spawn(activation_worker, W, args=(sequence,), timeout=120):
+        assert got == want, (got, want)
+
+
+def dropout_worker(rank, W, sequence):
+    import nanodist as nd
+    from nanodist.tp import tensor_parallel
+    group = nd.Group.world()
+    out = {}
+    torch.manual_seed(5)  # the same generator on every rank, as nanodist.init and the labs seed it
+    model = tensor_parallel(gpt(dropout=0.2), group, sequence=sequence)
+    with model.blocks[0].attn.heads_random():  # a rank's own stream, for its own heads (and, with SP, positions)
+        out["own"] = torch.rand(4)
+    with model.blocks[0].attn.heads_random():
+        out["own again"] = torch.rand(4)
+    x, y = batch()
+    logits, loss = model(x, y)
+    loss.backward()
+    out["logits"] = logits.detach()  # replicated: the residual stream's dropouts drew the same masks on every rank
+    out["after"] = torch.rand(4)  # the shared generator is still in step
+    grads = {n: p.grad.to_local().clone() if hasattr(p.grad, "to_local") else p.grad.clone()
+             for n, p in model.named_parameters()}
+    # activation checkpointing recomputes each block in backward: it must find the same masks
+    torch.manual_seed(6)
+    model.zero_grad()
+    model(x, y)[1].backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.manual_seed(6)
+    model.zero_grad()
+    model.activation_checkpointing = True
+    model(x, y)[1].backward()
+    out["recompute"] = max(float((p.grad - plain[n]).abs().max()) for n, p in model.named_parameters())
+    out["differs from seed 5"] = any(not torch.equal(plain[n], g) for n, g in grads.items())
+    return out
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp2", "tp2-sp"])
+def test_dropout_draws_the_same_masks_where_replicated_and_its_own_where_split(sequence):
+    a, b = spawn(dropout_worker, 2, args=(sequence,), timeout=120)
+    assert not torch.equal(a["own"], b["own"]), "the ranks' own streams drew the same numbers"
+    assert not torch.equal(a["own"], a["own again"]), "entering the stream twice drew the same numbers"
+    assert torch.equal(a["logits"], b["logits"]), "the replicated logits differ: a replicated dropout diverged"
+    assert torch.equal(a["after"], b["after"]), "the shared generator fell out of step"
+    for out in (a, b):
+        assert out["recompute"] == 0.0, out["recompute"]  # the recompute drew the very same masks
+        assert out["differs from seed 5"]  # (the masks do depend on the seed: the check above could fail)
+
+
+def short_sequence_worker(rank, W):
+    import nanodist as nd
+    from nanodist.tp import tensor_parallel
+    model = tensor_parallel(gpt(), nd.Group.world(), sequence=True)
+    x, y = batch()
+    try:
+        model(x[:, :15], y[:, :15])
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_sequence_parallelism_names_a_length_that_does_not_divide():
+    for said in spawn(short_sequence_worker, 2, timeout=120):
+        assert "T = 15, not a multiple of 2" in said and "seq_len" in said, said

@@ -287,13 +287,13 @@ def gpt():
     return GPT(GPTConfig.preset("tiny", vocab_size=V))
 
 
-def parallel_gpt(mesh):
-    """The course's GPT with nanodist's own tensor parallelism (nanodist.tp) on the tensor dimension, FSDP2 on the
-    data one where it has more than one rank."""
+def parallel_gpt(mesh, sequence=False):
+    """The course's GPT with nanodist's own tensor parallelism (nanodist.tp; sequence parallelism too with
+    sequence=True) on the tensor dimension, FSDP2 on the data one where it has more than one rank."""
     from torch.distributed.fsdp import fully_shard
 
     from nanodist.tp import tensor_parallel
-    model = tensor_parallel(gpt(), mesh["tensor"])
+    model = tensor_parallel(gpt(), mesh["tensor"], sequence=sequence)
     if mesh["data"].size > 1:
         for block in model.blocks:
             fully_shard(block, mesh=mesh.device_mesh["data"])
@@ -301,11 +301,11 @@ def parallel_gpt(mesh):
     return model
 
 
-def gpt_mesh_worker(rank, W, shape):
+def gpt_mesh_worker(rank, W, shape, sequence=False):
     """parallel_gpt trained by the Trainer: the one-process losses and norms."""
     import nanodist as nd
     mesh = nd.Group.world().mesh({"data": shape[0], "tensor": shape[1]})
-    model = parallel_gpt(mesh)
+    model = parallel_gpt(mesh, sequence)
     trainer = run(model, {"mesh": mesh}, Batches(mesh["data"].rank, MICRO, MICRO * shape[0]), MICRO, shape[0])
     out = {"rows": [(h["loss"], h["grad_norm"]) for h in trainer.history], "data": mesh["data"].rank}
     if rank == 0:
@@ -315,11 +315,12 @@ def gpt_mesh_worker(rank, W, shape):
     return out
 
 
-@pytest.mark.parametrize("W,shape", [(2, (1, 2)), (4, (2, 2))], ids=["1x2-nanodist-tp", "2x2-fsdp2-nanodist-tp"])
-def test_the_gpt_with_nanodist_tp_on_a_mesh_trains_as_one_process(W, shape):
+@pytest.mark.parametrize("W,shape,sequence", [(2, (1, 2), False), (4, (2, 2), False), (4, (2, 2), True)],
+                         ids=["1x2-nanodist-tp", "2x2-fsdp2-nanodist-tp", "2x2-fsdp2-nanodist-tp-sp"])
+def test_the_gpt_with_nanodist_tp_on_a_mesh_trains_as_one_process(W, shape, sequence):
     """Losses and norms, not parameters: AdamW turns the key bias's zero gradient (rounding noise in both runs)
     into +-lr updates that differ, but a key bias moves no softmax, so the losses do not see them."""
-    outs = spawn(gpt_mesh_worker, W, args=(shape,), timeout=300)
+    outs = spawn(gpt_mesh_worker, W, args=(shape, sequence), timeout=300)
     want = outs[0]["ref_rows"]
     for out in outs:
         for step, (_, norm) in enumerate(out["rows"]):
