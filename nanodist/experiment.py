@@ -25,9 +25,11 @@ Wrappers: "single" (a world of one: this rank alone, no communication), "nanodis
 through shared memory on CPU ranks of one machine unless --shared-memory off), "nanodist-pg"
 (nanodist.DDP through the process group, like torch), "torch" (torch's DDP), "naive" (NaiveDDP),
 "none" (the bare model: the optimizer averages, ZeRO), "fsdp" (nanodist.FSDP, every Block a unit) and
-"fsdp2" (torch's fully_shard on every Block and the root, on a CPU or GPU mesh of the group). Optimizers: "adamw"
-(torch.optim.AdamW), "muon" (MuonAdamW), "dist-adamw" (DistAdamW), "dist-muon" (make_muon_optimizer: Muon for
-matrices, AdamW for the rest), "zero1-adamw" (ZeroOptimizer over AdamW), "zero-redundancy-adamw" (torch's
+"fsdp2" (torch's fully_shard on every Block and the root, on a CPU or GPU mesh of the group). With --tp n the
+world becomes a mesh of world/n data ranks x n tensor ranks, nanodist.tp splits every block over the tensor
+dimension, and the wrapper ("fsdp2"; "tp" when the data dimension has one rank) averages over the data one.
+Optimizers: "adamw" (torch.optim.AdamW), "muon" (MuonAdamW), "dist-adamw" (DistAdamW), "dist-muon"
+(make_muon_optimizer: Muon for matrices, AdamW for the rest), "zero1-adamw" (ZeroOptimizer over AdamW), "zero-redundancy-adamw" (torch's
 ZeroRedundancyOptimizer over AdamW, behind a DDP wrapper).
 """
 from __future__ import annotations
@@ -88,6 +90,8 @@ class RunConfig:
     data: str | None = None
     seed: int = 0
     wandb: bool = False
+    tp: int = 1  # tensor-parallel size: the world becomes a mesh of (world / tp) data ranks x tp tensor ranks
+    sequence_parallel: bool = False  # with tp > 1: nanodist.tp's sequence parallelism too
 
     @classmethod
     def from_args(cls, args, device=None, **changes) -> "RunConfig":
@@ -138,6 +142,11 @@ def add_arguments(p: argparse.ArgumentParser, *, steps: int = 50, total_batch_he
                    help="CPU threads per rank (default 1, as torchrun sets: a 1-rank run then compares fairly)")
     p.add_argument("--data", default=None, help="a UTF-8 text file to train on (default: the built-in corpus)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: nanodist.tp splits every block over tp ranks; the world is a mesh of "
+                        "world/tp data ranks x tp tensor ranks (the wrapper averages over the data dimension)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: split the LayerNorms, dropouts and residual stream along the sequence too")
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases from rank 0 (offline unless logged in)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
 
@@ -157,7 +166,7 @@ def check_args(args, world_size: int, min_steps: int = WARMUP_STEPS + 1) -> str 
     """Every shared flag against what it must be, before any work: a one-line message saying what is wrong and
     what to do, or None. Sizes are checked against the world size the run will have, and the data against
     both of its splits."""
-    problem = (check_positive(args, ["steps", "micro_batch", "seq_len", "threads"])
+    problem = (check_positive(args, ["steps", "micro_batch", "seq_len", "threads", "tp"])
                or check_positive(args, ["total_batch"], "a positive number of tokens")
                or check_positive(args, ["lr", "bucket_mb"], "a positive finite number", integer=False))
     if problem:
@@ -165,6 +174,10 @@ def check_args(args, world_size: int, min_steps: int = WARMUP_STEPS + 1) -> str 
     if args.steps < min_steps:
         why = f" (the first {WARMUP_STEPS} are warm-up, not timed)" if min_steps > 1 else ""
         return f"--steps must be more than {min_steps - 1}{why}"
+    problem = check_tensor_parallel(args, world_size)
+    if problem:
+        return problem
+    world_size //= getattr(args, "tp", 1)  # the data dimension splits the batches
     try:
         grad_accum_steps(total_batch(args, world_size), args.micro_batch, args.seq_len, world_size)
         text = load_corpus(args.data)
@@ -180,6 +193,24 @@ def check_args(args, world_size: int, min_steps: int = WARMUP_STEPS + 1) -> str 
                     f"{args.micro_batch} x {world_size} x {args.seq_len} + 1 = {need}: use a text of at least "
                     f"{math.ceil(need / (0.1 if 'validation' in name else 0.9))} characters, or a smaller "
                     f"--micro-batch or --seq-len")
+    return None
+
+
+def check_tensor_parallel(args, world_size: int) -> str | None:
+    """--tp and --sequence-parallel against the world and the model, or why not."""
+    tp, sequence = getattr(args, "tp", 1), getattr(args, "sequence_parallel", False)
+    if world_size % tp:
+        return (f"--tp {tp} does not divide the {world_size} rank(s) of this launch into a mesh of data x tensor "
+                f"ranks: use a --tp that divides {world_size}")
+    if sequence and tp == 1:
+        return "--sequence-parallel splits the sequence over the tensor-parallel ranks: give --tp 2 or more with it"
+    if sequence and args.seq_len % tp:
+        return f"--sequence-parallel gives each of the {tp} tensor ranks seq-len/{tp} positions: --seq-len " \
+               f"{args.seq_len} is not a multiple of {tp}"
+    model = getattr(args, "model", "auto")
+    if tp > 1 and model in PRESETS and PRESETS[model]["n_head"] % tp:
+        return f"--tp {tp} splits the attention heads, and the {model} model has {PRESETS[model]['n_head']}: " \
+               f"use a --tp that divides it"
     return None
 
 
@@ -429,7 +460,8 @@ class WrapperSpec:
     "none"). averages: the wrapper averages the gradients (False: the optimizer must, ZeRO); flat_shards: the
     parameters become shards (no optimizer that needs whole parameters); local: it trains alone, in a world of
     one; param_groups_from_wrapper: the optimizer's param groups come from the wrapped module (nanodist.FSDP's
-    local views), not the bare model."""
+    local views), not the bare model; tensor_parallel: it takes a model split by nanodist.tp (--tp), averaging
+    over the mesh's data dimension."""
 
     name: str
     wrap: Callable
@@ -438,6 +470,7 @@ class WrapperSpec:
     flat_shards: bool = False
     local: bool = False
     param_groups_from_wrapper: bool = False
+    tensor_parallel: bool = False  # it averages a tensor-parallel model's DTensor parameters over the data dimension
 
 
 @dataclass(frozen=True)
@@ -483,7 +516,7 @@ def self_averaging() -> tuple[str, ...]:
     return tuple(n for n, o in OPTIMIZERS.items() if o.self_averaging)
 
 
-def check_setup(wrapper: str, optimizer: str) -> None:
+def check_setup(wrapper: str, optimizer: str, tp: int = 1) -> None:
     """A ValueError naming what does not go together (or what is not registered)."""
     if wrapper not in WRAPPERS or optimizer not in OPTIMIZERS:
         raise ValueError(f"wrapper must be one of {tuple(WRAPPERS)} and optimizer one of {tuple(OPTIMIZERS)}, got "
@@ -496,11 +529,23 @@ def check_setup(wrapper: str, optimizer: str) -> None:
     if o.whole_parameters and w.flat_shards:
         raise ValueError(f"optimizer={optimizer!r} needs whole parameters, and wrapper={wrapper!r} shards each of "
                          f"them (flat slices or DTensor rows): use 'adamw' with it (Chapter 5 explains why)")
+    if tp > 1 and not w.tensor_parallel:
+        takes = ", ".join(n for n, spec in WRAPPERS.items() if spec.tensor_parallel)
+        raise ValueError(f"tp={tp}: wrapper={wrapper!r} cannot average a model split by tensor parallelism (its "
+                         f"parameters are DTensors): use {takes}")
 
 
 @register_wrapper("none", doc="the bare model: the optimizer averages (ZeRO)", averages=False)
 @register_wrapper("single", doc="this rank alone, in a world of one", local=True)
 def _bare(raw, ctx):
+    return raw
+
+
+@register_wrapper("tp", doc="no data parallelism: the model split by --tp over every rank", tensor_parallel=True)
+def _tensor_only(raw, ctx):
+    if ctx.group.size != 1:
+        raise ValueError(f"wrapper 'tp' averages nothing, and the data dimension has {ctx.group.size} ranks: give "
+                         f"--tp the world size, or use 'fsdp2' to average over the data dimension")
     return raw
 
 
@@ -538,7 +583,8 @@ def _fsdp(raw, ctx):
                 observer=ctx.observer, prefetch=ctx.cfg.prefetch)
 
 
-@register_wrapper("fsdp2", doc="torch's fully_shard on every Block and the root", flat_shards=True)
+@register_wrapper("fsdp2", doc="torch's fully_shard on every Block and the root", flat_shards=True,
+                  tensor_parallel=True)
 def _fsdp2(raw, ctx):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     lp = _low_precision(ctx.cfg)
@@ -605,11 +651,19 @@ def build(cfg, data: Data, group: Group, *, wrapper: str, optimizer: str = "adam
     """A Run: model (wrapped as `wrapper`), optimizer, data streams of this rank, and its Trainer. cfg: a
     RunConfig (a lab's parsed flags are read through RunConfig.from_args)."""
     cfg = _config(cfg)
-    check_setup(wrapper, optimizer)
+    check_setup(wrapper, optimizer, cfg.tp)
     spec = WRAPPERS[wrapper]
     group = Group.local(group.device) if spec.local else group
     name = name or wrapper
     raw = build_model(cfg, data.vocab_size, group.device)
+    mesh = None
+    if cfg.tp > 1:  # data x tensor: nanodist.tp splits the blocks over "tensor"; the rest sees the "data" group
+        from .tp import tensor_parallel
+        if group.size % cfg.tp:
+            raise ValueError(f"tp={cfg.tp} does not divide the group's {group.size} ranks: use a tp that divides it")
+        mesh = group.mesh({"data": group.size // cfg.tp, "tensor": cfg.tp})
+        tensor_parallel(raw, mesh["tensor"], sequence=cfg.sequence_parallel)
+        group = mesh["data"]
     ctx = BuildContext(cfg, group, shared_memory=use_shared_memory(cfg, group) and wrapper != "nanodist-pg",
                        weight_decay=weight_decay, zero_stage=zero_stage or cfg.zero_stage,
                        record_timeline=record_timeline, observer=observer, wrapper=spec)
@@ -628,8 +682,9 @@ def build(cfg, data: Data, group: Group, *, wrapper: str, optimizer: str = "adam
                        micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, lr=cfg.lr, warmup_steps=5,
                        dtype=cfg.dtype, eval_batches=2, log_every=0, progress=False, wandb=cfg.wandb,
                        run_name=name, checkpoint_every=checkpoint_every)
+    where = {"mesh": mesh} if mesh is not None else {"group": group}
     trainer = Trainer(model, opt, train, tcfg, val_data=stream(data.val, cfg.seed + 1), recorder=recorder,
-                      group=group, checkpoints=checkpoints)
+                      checkpoints=checkpoints, **where)
     return Run(name, raw, model, opt, trainer, train)
 
 

@@ -696,3 +696,58 @@ def memory_over_step(trace: dict, ax=None, unit: float = 2**20, unit_name: str =
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     return ax
+
+
+def tensor_parallel_block(sequence: bool = False, ranks: int = 2, ax=None):
+    """Megatron's MLP (or attention) split over `ranks`, drawn left to right: the input, f, each rank's
+    column-parallel layer, its element-wise function and its row-parallel layer, g, the output. With
+    sequence=True, the sequence-parallel form: the input and output are each rank's positions, f an all-gather
+    and g a reduce-scatter. What each operator does forward and backward is written under it."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(COLUMN_IN, 1.3 + 0.8 * ranks))
+    f_fwd, f_bwd = ("all-gather", "reduce-scatter") if sequence else ("identity", "all-reduce")
+    g_fwd, g_bwd = ("reduce-scatter", "all-gather") if sequence else ("all-reduce", "identity")
+    left, right = ("X: T/n each", "Y: T/n each") if sequence else ("X, whole", "Y, whole")
+    top = ranks * 1.3
+    low = top - 1.3 * ranks + 0.15  # the bottom of the last rank's row
+    for r in range(ranks):
+        y = top - 1.3 * (r + 1) + 0.15
+        _cell(ax, 3.1, y, f"fc: rows {r}", PALETTE[0], w=1.9)
+        _cell(ax, 5.3, y, "GELU", PALETTE[2], w=1.0)
+        _cell(ax, 6.6, y, f"proj: cols {r}", PALETTE[0], w=1.9)
+        for x0, x1 in ((2.6, 3.1), (5.0, 5.3), (6.3, 6.6), (8.5, 8.9)):
+            ax.annotate("", (x1, y + 0.5), (x0, y + 0.5), arrowprops=dict(arrowstyle="->", color="#444444"))
+    mid = top / 2 - 0.5
+    _cell(ax, 0.0, mid, left, PALETTE[7], w=1.8)
+    _cell(ax, 2.1, mid, "f", PALETTE[3], w=0.5)
+    _cell(ax, 8.9, mid, "g", PALETTE[3], w=0.5)
+    _cell(ax, 9.7, mid, right, PALETTE[7], w=1.8)
+    for x0, x1 in ((1.8, 2.1), (9.4, 9.7)):
+        ax.annotate("", (x1, mid + 0.5), (x0, mid + 0.5), arrowprops=dict(arrowstyle="->", color="#444444"))
+    for x, fwd, bwd in ((2.35, f_fwd, f_bwd), (9.15, g_fwd, g_bwd)):
+        ax.text(x, low - 0.15, f"forward: {fwd}\nbackward: {bwd}", ha="center", va="top", fontsize=9)
+    ax.set_xlim(-0.1, 11.6)
+    ax.set_ylim(low - 1.1, top + 0.1)
+    ax.set_title("sequence parallelism: f and g move the sequence" if sequence else
+                 "tensor parallelism: one all-reduce forward (g), one backward (f)")
+    ax.axis("off")
+    return ax
+
+
+def activation_memory(rows: list[dict], ax=None, unit: float = 2**20, unit_name: str = "MiB"):
+    """One block's saved activations per rank, measured (bars) and the formula's (marks), for each TP size with
+    and without SP: lab09's memory rows."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(COLUMN_IN * 0.8, 3.0))
+    labels = [f"TP {r['tp']}" + (" + SP" if r["sequence_parallel"] else "") for r in rows]
+    measured = [max(r["measured_per_rank"]) / unit for r in rows]
+    formula = [r["formula"]["total"] / unit for r in rows]
+    xs = range(len(rows))
+    ax.bar(xs, measured, color=[PALETTE[1] if r["sequence_parallel"] else PALETTE[0] for r in rows],
+           label="measured (saved-tensor hooks)")
+    ax.plot(xs, formula, "k_", markersize=22, mew=2, label="formula")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel(f"{unit_name} per rank, one block")
+    ax.spines[["top", "right"]].set_visible(False)
+    legend_below(ax)
+    return ax

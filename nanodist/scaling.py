@@ -107,23 +107,34 @@ class Transformer:
         appendix B; the same count as nanodist.model.GPT.flops_per_token)."""
         return 6 * self.matmul_params + 12 * self.layers * self.hidden * self.seq_len
 
-    def activation_bytes(self, micro_batch: int, recompute: bool = False) -> float:
-        """Bytes one micro-batch keeps for its backward, 16-bit, counted as Korthikanti et al. (2022) count them
-        but with flash attention (no s x s scores) and no dropout, per layer:
+    def activation_bytes(self, micro_batch: int, recompute: bool = False, tp: int = 1,
+                         sequence_parallel: bool = False) -> float:
+        """Bytes one micro-batch keeps for its backward on one GPU, 16-bit, counted as Korthikanti et al. (2022)
+        count them but with flash attention (no s x s scores) and no dropout, per layer:
 
-            attention   the projections' input, q, the output projection's input: 6 s b h; k and v: 4 s b kv
+            attention   its input (2 s b h), q and the output projection's input (4 s b h); k and v: 4 s b kv
             two norms   their inputs: 4 s b h
             FFN         its input: 2 s b h; gated (SwiGLU): gate, up, activation, product: 8 s b ffn;
                         plain (GELU): the up projection and the activation: 4 s b ffn
 
         (GPT-2's shape, ffn = 4h: 32 s b h, Korthikanti's 34 less the dropout masks; Llama's with ffn = 4h: 48).
         With full recomputation a layer keeps only its input, 2 s b h. Plus the loss: bf16 logits, their fp32
-        copy and its gradient, 10 s b V."""
+        copy and its gradient, 10 s b V.
+
+        Tensor parallelism over `tp` GPUs (Megatron's, as nanodist.tp) splits what lies between a column- and a
+        row-parallel layer -- q, k, v, the output projection's input, the FFN's inner activations -- and the
+        logits (a vocabulary-parallel head); the norms' inputs and the two blocks' inputs (8 s b h) stay whole on
+        every GPU unless `sequence_parallel`, which splits them (and a recomputed layer's input) along the
+        sequence: everything / tp."""
         sb = self.seq_len * micro_batch
         kv = self.hidden // self.heads * (self.kv_heads or self.heads)
-        per_layer = 2 * self.hidden if recompute else \
-            12 * self.hidden + 4 * kv + (8 if self.gated else 4) * self.ffn
-        return self.layers * sb * per_layer + 10 * sb * self.vocab
+        whole = 8 * self.hidden  # the norms' inputs and the attention's and the FFN's inputs
+        split = 4 * self.hidden + 4 * kv + (8 if self.gated else 4) * self.ffn
+        if recompute:
+            per_layer = 2 * self.hidden / (tp if sequence_parallel else 1)
+        else:
+            per_layer = (whole + split) / tp if sequence_parallel else whole + split / tp
+        return self.layers * sb * per_layer + 10 * sb * self.vocab / tp
 
 
 @dataclass(frozen=True)
@@ -346,7 +357,7 @@ class Projection:
     micro_batch: int
     grad_accum: int
     link: Link
-    tokens_per_gpu_step: int
+    tokens_per_gpu_step: float  # a GPU's share: a data-parallel rank's tokens / tp
     compute_s: float
     optimizer_s: float  # the AdamW update, bound by HBM bandwidth (0 when the GPU's is not given)
     comm_s: float  # all communication of one step, hidden or not
@@ -358,6 +369,9 @@ class Projection:
     fits: bool
     recompute: bool = False  # full activation recomputation
     collectives: dict = field(repr=False, default_factory=dict)  # collective -> bytes each one moves per step
+    tp: int = 1  # tensor-parallel size (inside a node); the data-parallel strategy runs over gpus / tp
+    sequence_parallel: bool = False
+    tp_comm_s: float = 0.0  # tensor parallelism's collectives (part of comm_s, all exposed)
 
     @property
     def bottleneck(self) -> str:
@@ -369,7 +383,8 @@ class Projection:
 
     def row(self) -> dict:
         """A table row, rounded for reading."""
-        return {"strategy": self.strategy, "GPUs": self.gpus, "link": self.link.name,
+        return {"strategy": self.strategy + (f" x TP {self.tp}" + (" + SP" if self.sequence_parallel else "")
+                                             if self.tp > 1 else ""), "GPUs": self.gpus, "link": self.link.name,
                 "micro-batch x accumulation": f"{self.micro_batch} x {self.grad_accum}",
                 "step (s)": round(self.step_s, 3), "exposed comm (s)": round(self.exposed_comm_s, 3),
                 "tokens/s/GPU": round(self.tokens_per_s_per_gpu), "MFU %": round(100 * self.mfu, 1),
@@ -450,41 +465,76 @@ def window(strategy: str, grad_accum: int, recompute: bool = False) -> float:
     return {"ddp": backward / grad_accum, "zero1": backward / grad_accum, "zero2": backward, "fsdp": 1.0}[strategy]
 
 
+def tensor_parallel_seconds(model: Transformer, cluster: Cluster, tp: int, micro_batch: int, grad_accum: int,
+                            sequence_parallel: bool = False, recompute: bool = False, act_bytes: float = 2) -> float:
+    """Seconds one GPU spends per step in tensor parallelism's collectives, inside a node: for every micro-batch
+    and layer, what costmodel.tensor_parallel_traffic counts (2 all-reduces of the activations forward and 2
+    backward; with SP all-gathers and reduce-scatters, one more pair of all-gathers backward), 16-bit, on the
+    node's link; a recomputed forward repeats the forward's. All of it is exposed here: the collectives sit
+    between a layer's matmuls (Megatron overlaps some of them; this projection does not)."""
+    if tp == 1:
+        return 0.0
+    per_layer = costmodel.tensor_parallel_traffic(micro_batch, model.seq_len, model.hidden, tp, sequence_parallel,
+                                                  act_bytes=act_bytes, grad_bytes=4)
+    kinds = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter"}
+    seconds = 0.0
+    for (phase, kind, nbytes), count in per_layer.items():
+        times = count * (2 if recompute and phase == "forward" else 1)
+        seconds += times * cluster.intra.time(kinds[kind], nbytes, tp)
+    return seconds * model.layers * grad_accum
+
+
 def project(model: Transformer, cluster: Cluster, gpus: int, strategy: str, micro_batch: int, grad_accum: int,
             compute_efficiency: float, overlap: float, grad_bytes: float = 4, param_bytes: float = 2,
-            recompute: bool = False, algorithm: str = "best", bucket_MB: float = 25) -> Projection:
+            recompute: bool = False, algorithm: str = "best", bucket_MB: float = 25, tp: int = 1,
+            sequence_parallel: bool = False) -> Projection:
     """Project one optimizer step of `strategy` on `gpus` GPUs of `cluster` (see the module's docstring).
     `algorithm` and `bucket_MB` (MiB, as torch's bucket_cap_mb) matter only on a cluster that models latency (see
-    `communication`)."""
-    for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+    `communication`).
+
+    tp > 1: a 2-D mesh. Tensor parallelism over tp GPUs of one node (Chapter 9) splits every layer's matmuls and
+    parameters; `strategy` runs over the gpus / tp data-parallel ranks, on the parameters' 1/tp, through the
+    network as before. A data-parallel rank's micro_batch x grad_accum sequences are computed by its tp GPUs
+    together: each does 1/tp of the FLOPs, and waits for TP's collectives (`tensor_parallel_seconds`)."""
+    for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum), ("tp", tp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not 0 < compute_efficiency <= 1 or not 0 <= overlap <= 1:
         raise ValueError(f"need 0 < compute_efficiency <= 1 and 0 <= overlap <= 1, "
                          f"got {compute_efficiency!r} and {overlap!r}")
+    if gpus % tp or tp > cluster.gpus_per_node or model.heads % tp:
+        raise ValueError(f"tp={tp} must divide the GPUs ({gpus}) and the heads ({model.heads}) and stay inside a node "
+                         f"({cluster.gpus_per_node} GPUs): its collectives run on every layer's critical path")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel splits the sequence over the tensor-parallel GPUs: give tp > 1 with it")
+    dp = gpus // tp
     link = cluster.link(gpus)
-    tokens = micro_batch * grad_accum * model.seq_len
-    compute = tokens * model.flops_per_token() / (cluster.gpu.peak_flops * compute_efficiency)
+    tokens = micro_batch * grad_accum * model.seq_len  # one data-parallel rank's, shared by its tp GPUs
+    compute = tokens * model.flops_per_token() / tp / (cluster.gpu.peak_flops * compute_efficiency)
     if recompute:  # the forward runs again in the backward: 8 FLOPs per weight and token where 6 were counted
         compute *= 4 / 3
-    comm = communication(strategy, model.params, gpus, link, grad_accum, grad_bytes, param_bytes, cluster=cluster,
-                         algorithm=algorithm, bucket_bytes=bucket_MB * 2**20, units=model.layers + 1) if gpus > 1 \
+    params = model.params if tp == 1 else model.params / tp  # what each GPU holds before the data-parallel strategy shards it further
+    comm = communication(strategy, params, dp, link, grad_accum, grad_bytes, param_bytes, cluster=cluster,
+                         algorithm=algorithm, bucket_bytes=bucket_MB * 2**20, units=model.layers + 1) if dp > 1 \
         else {"hideable": [], "exposed": []}
+    tp_s = tensor_parallel_seconds(model, cluster, tp, micro_batch, grad_accum, sequence_parallel, recompute)
     hideable = sum(s for _, _, s in comm["hideable"])
-    exposed = sum(s for _, _, s in comm["exposed"])
+    exposed = sum(s for _, _, s in comm["exposed"]) + tp_s
     waits = exposed + hideable - min(overlap * window(strategy, grad_accum, recompute) * compute, hideable)
-    update = optimizer_seconds(model.params, gpus, strategy, cluster.gpu, grad_bytes, param_bytes)
+    update = optimizer_seconds(params, dp, strategy, cluster.gpu, grad_bytes, param_bytes)
     step = compute + update + waits
-    states = zero_memory_bytes(model.params, gpus, _STAGE[strategy], param_bytes=param_bytes, grad_bytes=grad_bytes,
+    states = zero_memory_bytes(params, dp, _STAGE[strategy], param_bytes=param_bytes, grad_bytes=grad_bytes,
                                optim_bytes_per_param=12)["total"]
-    memory = (states + model.activation_bytes(micro_batch, recompute)) / 1e9
+    memory = (states + model.activation_bytes(micro_batch, recompute, tp, sequence_parallel)) / 1e9
+    per_gpu = tokens if tp == 1 else tokens / tp
     return Projection(
         model=model.name, cluster=cluster.name, strategy=strategy, gpus=gpus, micro_batch=micro_batch,
-        grad_accum=grad_accum, link=link, tokens_per_gpu_step=tokens, compute_s=compute, optimizer_s=update,
-        comm_s=hideable + exposed, exposed_comm_s=waits, step_s=step, tokens_per_s_per_gpu=tokens / step,
-        mfu=tokens / step * model.flops_per_token() / cluster.gpu.peak_flops, memory_GB=memory,
+        grad_accum=grad_accum, link=link, tokens_per_gpu_step=per_gpu, compute_s=compute, optimizer_s=update,
+        comm_s=hideable + exposed, exposed_comm_s=waits, step_s=step, tokens_per_s_per_gpu=per_gpu / step,
+        mfu=per_gpu / step * model.flops_per_token() / cluster.gpu.peak_flops, memory_GB=memory,
         fits=memory <= cluster.gpu.memory_GB, recompute=recompute,
-        collectives={c: b for c, b, _ in comm["hideable"] + comm["exposed"]})
+        collectives={c: b for c, b, _ in comm["hideable"] + comm["exposed"]}, tp=tp,
+        sequence_parallel=sequence_parallel, tp_comm_s=tp_s)
 
 
 # ----------------------------------------------------------------------------- calibration and checking
@@ -788,26 +838,31 @@ MODELS = {
 
 
 def best_strategy(model: Transformer, cluster: Cluster, gpus: int, global_batch_tokens: int,
-                  compute_efficiency: float, overlap: float, strategies=STRATEGIES) -> Projection | None:
+                  compute_efficiency: float, overlap: float, strategies=STRATEGIES, tp_sizes=(1,)) -> Projection | None:
     """The fastest strategy that fits in memory for a global batch of `global_batch_tokens` (micro-batches of
     one sequence, accumulated to the batch; with or without full recomputation, which costs a forward pass),
-    or None when nothing fits or the batch gives a GPU less than one sequence. Of strategies within 1 % of the
-    fastest, the simplest wins (DDP before ZeRO before FSDP; no recomputation before recomputation)."""
-    if global_batch_tokens % (gpus * model.seq_len) and global_batch_tokens >= gpus * model.seq_len:
-        raise ValueError(f"best_strategy: a global batch of {global_batch_tokens} tokens does not split into {gpus} "
-                         f"GPUs x sequences of {model.seq_len}")
-    per_gpu = global_batch_tokens // (gpus * model.seq_len)
-    if per_gpu < 1:
-        return None
-    fits = [p for recompute in (False, True)
-            for p in [project(model, cluster, gpus, s, 1, per_gpu, compute_efficiency, overlap,
-                              recompute=recompute) for s in strategies] if p.fits]
+    or None when nothing fits or the batch gives a data-parallel rank less than one sequence. `tp_sizes`: the
+    tensor-parallel sizes to try too (each with sequence parallelism when above 1): a data-parallel rank is then
+    tp GPUs, so the same batch spreads over tp times more GPUs. Of the set-ups within 1 % of the fastest, the
+    simplest wins (no recomputation first, then the smallest tp, then DDP before ZeRO before FSDP)."""
+    fits = []
+    for tp in tp_sizes:
+        dp = gpus // tp
+        if global_batch_tokens % (dp * model.seq_len) and global_batch_tokens >= dp * model.seq_len:
+            raise ValueError(f"best_strategy: a global batch of {global_batch_tokens} tokens does not split into "
+                             f"{dp} data-parallel ranks x sequences of {model.seq_len}")
+        per_rank = global_batch_tokens // (dp * model.seq_len)
+        if per_rank < 1:
+            continue
+        fits += [p for recompute in (False, True)
+                 for p in [project(model, cluster, gpus, s, 1, per_rank, compute_efficiency, overlap,
+                                   recompute=recompute, tp=tp, sequence_parallel=tp > 1) for s in strategies] if p.fits]
     if not fits:
         return None
     fastest = max(p.tokens_per_s_per_gpu for p in fits)
-    # within 1 % of the fastest, the simplest: the first strategy in STRATEGIES' order, without recomputation
+    # within 1 % of the fastest, the simplest: no recomputation, the smallest tp, the first strategy in order
     near = [p for p in fits if p.tokens_per_s_per_gpu >= 0.99 * fastest]
-    return min(near, key=lambda p: (p.recompute, strategies.index(p.strategy)))
+    return min(near, key=lambda p: (p.recompute, p.tp, strategies.index(p.strategy)))
 
 
 def strategy_table(model: Transformer, cluster: Cluster, gpus: int, micro_batch: int, grad_accum: int,

@@ -80,11 +80,12 @@ def savable(t):
         return t
     if any(not pl.is_replicate() for pl in placements[:last]):
         # FSDP2 over nanodist.tp's qkv: FSDP2 cuts each rank's [q_r; k_r; v_r] again, a stride within a stride that
-        # torch 2.13's DTensor placements cannot describe (its gather puts the rows in the wrong places)
+        # torch 2.13's DTensor placements cannot describe (its gather puts the rows in the wrong places; full_tensor
+        # gathers it by hand, but DCP's save and load go through DTensor's own)
         raise ValueError("this model's fused qkv is split head by head by nanodist.tp and sharded again by FSDP2 on "
-                         "a 2-D mesh: torch's DTensor cannot describe that layout, so it cannot be gathered or "
-                         "checkpointed. Training so is right; to checkpoint, keep a data dimension of 1 under "
-                         "nanodist.tp, or use torch's parallelize_module under FSDP2 (its layouts gather)")
+                         "a 2-D mesh: torch's DTensor cannot describe that layout, so torch.distributed.checkpoint "
+                         "cannot write or read it. Training so is right; to checkpoint, keep a data dimension of 1 "
+                         "under nanodist.tp, or use torch's parallelize_module under FSDP2 (its layouts gather)")
     whole = full_tensor(t)  # gathered here (and through the host where gloo holds GPU memory): then re-cut
     return dtensor_like(whole, t, placements=[*placements[:last], Replicate()])
 
@@ -203,6 +204,34 @@ def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return full_tensor(t).to(p.device)
 
 
+def _stride_within_a_shard(t) -> bool:
+    """FSDP2 (an outer mesh dimension) over nanodist.tp's fused qkv (_StridedShard on the last): a layout torch
+    2.13's DTensor gathers wrongly (see savable)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    placements = t.placements
+    return (len(placements) == 2 and isinstance(placements[1], _StridedShard)
+            and not placements[0].is_replicate())
+
+
+def _gather_stride_within_a_shard(t) -> torch.Tensor:
+    """The whole tensor of FSDP2 over nanodist.tp's qkv, gathered by hand from every rank's piece: FSDP2 cut each
+    tensor-parallel rank's [q_r; k_r; v_r] in dim-0 chunks over the data ranks, so the data ranks' chunks, in
+    order, are that rank's piece; the tensor ranks' pieces, each cut in split_factor parts and interleaved, are
+    the whole. (Objects, not tensors, move: FSDP2's last chunk may be shorter.)"""
+    import torch.distributed as dist
+    mesh, local = t.device_mesh, t.to_local().detach()
+
+    def gather(x, dim):
+        out = [None] * mesh.size(dim)
+        dist.all_gather_object(out, x.cpu(), group=mesh.get_group(dim))
+        return out
+
+    tensor_piece = torch.cat(gather(local, 0))
+    pieces = gather(tensor_piece, 1)
+    split = t.placements[1].split_factor
+    return torch.cat([p.chunk(split)[j] for j in range(split) for p in pieces]).to(t.device)
+
+
 def full_tensor(t: torch.Tensor, via_host: bool | None = None, to_host: bool = False) -> torch.Tensor:
     """A DTensor's whole value, on its device, or in host memory with to_host (a collective: every rank of its mesh
     calls it, in the same order); any other tensor as it is (to_host: copied to the host).
@@ -213,6 +242,9 @@ def full_tensor(t: torch.Tensor, via_host: bool | None = None, to_host: bool = F
     or the other (the tests check the host route on CPU tensors)."""
     if not hasattr(t, "full_tensor"):
         return t.cpu() if to_host else t
+    if _stride_within_a_shard(t):
+        whole = _gather_stride_within_a_shard(t)
+        return whole.cpu() if to_host else whole
     mesh = t.device_mesh
     if via_host is None:
         via_host = t.device.type != "cpu" and any(

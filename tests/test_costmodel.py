@@ -172,3 +172,21 @@ def test_zero_stages_one_and_two_send_what_ddp_sends_and_the_all_reduce_variant_
         assert cm.bytes_per_step("fsdp-keep", 1.0, n) == pytest.approx(ddp)
     with pytest.raises(ValueError, match="strategy must be one of"):
         cm.bytes_per_step("zero4", 1.0, 2)
+
+
+def test_tensor_parallel_traffic_and_activations_follow_megatron():
+    S = 2 * 16 * 64 * 4
+    assert cm.tensor_parallel_traffic(2, 16, 64, 1) == {}
+    tp = cm.tensor_parallel_traffic(2, 16, 64, 4)
+    assert tp == {("forward", "all-reduce", S): 2, ("backward", "all-reduce", S): 2}
+    sp = cm.tensor_parallel_traffic(2, 16, 64, 4, sequence=True)
+    forward = {k: v for k, v in sp.items() if k[0] == "forward"}
+    # a ring all-reduce is a reduce-scatter then an all-gather: SP's forward sends what TP's does
+    assert cm.ring_bytes(forward, 4) == cm.ring_bytes({k: v for k, v in tp.items() if k[0] == "forward"}, 4)
+    assert sp[("backward", "all-gather", S)] == 4 and sp[("backward", "all-reduce", 64 * 4)] == 6
+    assert cm.ring_bytes(tp, 4) == 4 * 2 * 3 / 4 * S
+    # 16 b s h values a block: 4 whole under TP, 12 split; everything split under SP (plus the per-row small terms)
+    one, four, four_sp = (cm.activation_bytes(2, 16, 64, 4, t, s) for t, s in ((1, False), (4, False), (4, True)))
+    bsh = 2 * 16 * 64
+    assert (one["main"], four["main"], four_sp["main"]) == (16 * bsh * 4, (4 + 3) * bsh * 4, 4 * bsh * 4)
+    assert four_sp["total"] == one["total"] / 4

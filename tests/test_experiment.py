@@ -110,3 +110,62 @@ def every_setup_worker(rank, world):
 def test_every_registered_set_up_that_goes_together_builds_and_steps():
     built = spawn(every_setup_worker, 1, timeout=120)[0]
     assert all(ok for _, _, ok in built) and len(built) >= 12, built
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--tp", "3"], 4, "--tp 3 does not divide the 4 rank(s)"),
+    (["--sequence-parallel"], 2, "give --tp 2 or more with it"),
+    (["--tp", "2", "--sequence-parallel", "--seq-len", "15"], 2, "--seq-len 15 is not a multiple of 2"),
+    (["--tp", "8"], 8, "the tiny model has 4"),
+    (["--tp", "0"], 2, "--tp must be a positive integer"),
+])
+def test_tensor_parallel_flags_that_cannot_work_are_refused_before_any_work(flags, world, message):
+    assert message in experiment.check_args(parse(*flags), world)
+
+
+def test_a_wrapper_that_cannot_average_tensor_parallel_parameters_is_refused_by_name():
+    with pytest.raises(ValueError, match="cannot average a model split by tensor parallelism.*use tp, fsdp2"):
+        experiment.check_setup("nanodist", "adamw", tp=2)
+    experiment.check_setup("fsdp2", "adamw", tp=2)  # torch's FSDP2 takes the DTensors, over the data dimension
+
+
+def tp_worker(rank, world, sequence):
+    """The Trainer of a --tp run (every rank one tensor-parallel group, a data dimension of one) against the same
+    run in one process: the same batches (the data dimension has one rank), the same losses and norms."""
+    cfg = experiment.RunConfig.from_args(parse("--micro-batch", "4"), "cpu")
+    data = experiment.load_data(cfg)
+    split = experiment.build(cfg.replace(tp=world, sequence_parallel=sequence), data, Group.world(), wrapper="tp")
+    alone = experiment.build(cfg, data, Group.world(), wrapper="single")
+    for run in (split, alone):
+        run.trainer.fit(max_steps=3)
+    rows = lambda run: [(h["loss"], h["grad_norm"]) for h in run.trainer.history]  # noqa: E731
+    return {"split": rows(split), "alone": rows(alone), "world": split.trainer.world.size,
+            "data": split.trainer.group.size, "tokens": split.trainer.tokens_per_step}
+
+
+@pytest.mark.dist
+@pytest.mark.numerical
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp2", "tp2-sp"])
+def test_a_tensor_parallel_run_trains_as_one_process(sequence):
+    for out in spawn(tp_worker, 2, args=(sequence,), timeout=180):
+        assert (out["world"], out["data"], out["tokens"]) == (2, 1, 4 * 16)  # every rank: the whole batch
+        for (loss, norm), (want_loss, want_norm) in zip(out["split"], out["alone"]):
+            # fp32 sums split differently over two ranks: ~1e-7 relative; AdamW's first steps move by lr
+            # whatever the gradient's size, so the losses stay within rounding of each other
+            assert loss == pytest.approx(want_loss, rel=1e-5) and norm == pytest.approx(want_norm, rel=1e-4)
+
+
+def refused_tp_worker(rank, world):
+    cfg = experiment.RunConfig.from_args(parse(), "cpu").replace(tp=1)
+    data = experiment.load_data(cfg)
+    try:
+        experiment.build(cfg, data, Group.world(), wrapper="tp")
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.dist
+def test_the_tp_wrapper_refuses_a_data_dimension_it_would_not_average():
+    for said in spawn(refused_tp_worker, 2, timeout=120):
+        assert "averages nothing, and the data dimension has 2 ranks" in said, said

@@ -303,3 +303,47 @@ def test_a_link_fitted_to_a_lab_run_says_so():
     assert (link.name, link.busbw_GBps, link.latency_s) == ("gloo here", 1.5, 2e-4)
     assert link.source == "fitted: ring_all_reduce on gloo (cpu), 6 sizes at 2 ranks"
     assert link.time("all_reduce", 1e6, 2) == pytest.approx(2 * 2e-4 + 1e6 / 1.5e9)
+
+
+def test_a_tensor_parallel_projection_equals_the_hand_calculation():
+    """TP inside a node on a 2-D mesh: the data-parallel strategy over gpus / tp ranks on 1/tp of the parameters,
+    1/tp of the FLOPs per GPU, TP's all-reduces on NVLink, all exposed; the activations between a column- and a
+    row-parallel layer split, the rest split too under SP."""
+    cluster = S.CLUSTERS["dgx-h100-ib"]
+    m, P = LLAMA_8B, LLAMA_8B.params
+    p = S.project(m, cluster, gpus=64, strategy="fsdp", micro_batch=1, grad_accum=2, compute_efficiency=0.4,
+                  overlap=1.0, tp=4)
+    compute = 2 * 8192 * m.flops_per_token() / 4 / (989e12 * 0.4)
+    act = 1 * 8192 * 4096 * 2  # one micro-batch's activations, bf16
+    tp_s = 2 * 32 * 4 * (2 * 3 / 4) * act / 370e9  # 2 micro-batches x 32 layers x 4 all-reduces on NVLink
+    assert p.compute_s == pytest.approx(compute, rel=1e-12) and p.tp_comm_s == pytest.approx(tp_s, rel=1e-12)
+    bw = 368e9  # the data-parallel ring crosses the 8 nodes: 16 ranks of 1/4 of the parameters
+    dp = 2 * 2 * (15 / 16) * P / 4 * 2 / bw + 2 * (15 / 16) * P / 4 * 4 / bw
+    assert p.comm_s == pytest.approx(dp + tp_s, rel=1e-12)
+    assert p.exposed_comm_s == pytest.approx(tp_s + dp - min(compute, dp), rel=1e-12)
+    assert p.tokens_per_gpu_step == 2 * 8192 / 4
+    states = P / 4 * (2 + 4 + 12) / 16
+    kv = 1024
+    whole, split = 8 * 4096, 4 * 4096 + 4 * kv + 8 * 14336
+    acts = 32 * 8192 * (whole + split / 4) + 10 * 8192 * 128256 / 4
+    assert p.memory_GB == pytest.approx((states + acts) / 1e9, rel=1e-12)
+    sp = S.project(m, cluster, 64, "fsdp", 1, 2, 0.4, 1.0, tp=4, sequence_parallel=True)
+    acts_sp = 32 * 8192 * (whole + split) / 4 + 10 * 8192 * 128256 / 4
+    assert sp.memory_GB == pytest.approx((states + acts_sp) / 1e9, rel=1e-12)
+    # SP's collectives: forward the same bytes (AG + RS = AR), backward one pair of all-gathers more, + small ones
+    assert sp.tp_comm_s > p.tp_comm_s
+    # tp = 1 is the 1-D projection; a TP across nodes, or one that does not divide the heads, is refused
+    one = S.project(m, cluster, 64, "fsdp", 1, 2, 0.4, 1.0)
+    assert one.tp_comm_s == 0 and one.tokens_per_gpu_step == 2 * 8192
+    with pytest.raises(ValueError, match="stay inside a node"):
+        S.project(m, cluster, 64, "fsdp", 1, 2, 0.4, 1.0, tp=16)
+    with pytest.raises(ValueError, match="give tp > 1"):
+        S.project(m, cluster, 64, "fsdp", 1, 2, 0.4, 1.0, sequence_parallel=True)
+
+
+def test_tp_spreads_a_batch_with_fewer_sequences_than_gpus():
+    llama, dgx = S.MODELS["Llama 3 70B"], S.CLUSTERS["dgx-h100-ib"]
+    tokens = 512 * llama.seq_len  # 512 sequences for 1,024 GPUs
+    assert S.best_strategy(llama, dgx, 1024, tokens, 0.38, 1.0) is None
+    best = S.best_strategy(llama, dgx, 1024, tokens, 0.38, 1.0, tp_sizes=(1, 2, 4, 8))
+    assert best is not None and best.tp >= 2 and best.sequence_parallel and best.fits

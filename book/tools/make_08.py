@@ -805,6 +805,44 @@ Read it as a set of rules with reasons (the cell checks each against the table):
   the next). Without overlap, FSDP of 70B on PCIe boxes is bound by communication even at 64 GPUs:
   its all-gathers and reduce-scatter repeat every micro-batch, so accumulating more does not amortise them.
 
+### Adding tensor parallelism: a 2-D mesh
+
+Chapter 9 splits each layer's matrices over the GPUs of a node (tensor parallelism, TP, with sequence
+parallelism), and runs the data-parallel strategy across nodes on what is left: a 2-D mesh.
+`project(..., tp=n, sequence_parallel=True)` projects it (Chapter 9 takes it apart), and
+`best_strategy(..., tp_sizes=(1, 2, 4, 8))` tries each TP size too. For the 70B model, the same global batch
+and the same $e$, a projection again:
+""")
+
+code(r"""
+mesh_rows, with_tp = [], {}
+for cluster in ("dgx-h100-ib", "pcie-h100"):
+    for gpus in (64, 1024):
+        for rho in (1.0, cal.overlap):
+            b = with_tp[cluster, gpus, rho] = scaling.best_strategy(MODELS["Llama 3 70B"], CLUSTERS[cluster], gpus,
+                                                                    2**23, cal.compute_efficiency, rho,
+                                                                    tp_sizes=(1, 2, 4, 8))
+            a = best["Llama 3 70B", cluster, gpus, rho]
+            mesh_rows.append({"cluster": CLUSTERS[cluster].name, "GPUs": gpus, "rho": rho,
+                              "data parallelism only": a.strategy + (" + recompute" if a.recompute else ""),
+                              "tokens/s/GPU": round(a.tokens_per_s_per_gpu),
+                              "with TP": b.row()["strategy"] + (" + recompute" if b.recompute else ""),
+                              "tokens/s/GPU ": round(b.tokens_per_s_per_gpu)})
+nv, pcie = with_tp["dgx-h100-ib", 64, 1.0], with_tp["pcie-h100", 64, 1.0]
+assert nv.tp > 1 and not nv.recompute and pcie.tp == 1 and pcie.recompute
+glue("mesh_tp", nv.tp, display=False)
+glue("mesh_gain", 100 * (nv.tokens_per_s_per_gpu / best["Llama 3 70B", "dgx-h100-ib", 64, 1.0].tokens_per_s_per_gpu - 1),
+     display=False)
+Table(mesh_rows)
+""")
+
+md(r"""
+Inside a DGX node, on NVLink, TP = {glue:text}`mesh_tp` with SP divides the 70B model's activations enough to
+train without recomputing, {glue:text}`mesh_gain:.0f` % faster at 64 GPUs with full overlap. On the PCIe boxes the
+same all-reduces, four per layer and micro-batch, cross a link several times slower, cost more than the
+recomputation they would save, and the choice at 64 GPUs stays FSDP with recomputation. TP pays where the
+node's own link is fast.
+
 The calculator below lets you change any of it.
 
 ### A what-if calculator
