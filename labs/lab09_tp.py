@@ -9,13 +9,15 @@ memory against the formulas, and its step time against data parallelism.
 Parts (--parts, default: equivalence traffic memory):
   equivalence  the course's GPT split over the first n ranks of the launch (n in --tp-sizes), as TP, TP + SP, and
                with the vocabulary split: loss and gradients against the same model in one process; an MLP split
-               by nanodist and by torch's parallelize_module; with 4 ranks, the 2 x 2 mesh (torch's FSDP2 on the
-               data dimension, nanodist TP on the tensor one) against one process on the whole batch
+               by nanodist and by torch's parallelize_module; with 4 ranks, the 2 x 2 mesh (torch's FSDP2 or
+               nanodist's DDP on the data dimension, nanodist TP on the tensor one) against one process on the
+               whole batch
   traffic      one block's collectives, counted in the run (nanodist.tp.record_traffic) as the difference between
                a 2-block and a 1-block model, against costmodel.tensor_parallel_traffic
   memory       what one block saves for backward per rank (autograd's saved-tensor hooks) against
                costmodel.activation_bytes, at every TP size, with and without SP
-  time         the same global batch trained by data parallelism (nanodist DDP), by TP over every rank, and by
+  time         the same global batch trained by data parallelism (nanodist DDP through the process group, as TP's
+               collectives go), by TP over every rank, and by
                TP + SP, taking turns step by step (nanodist.experiment, the Trainer): median step times and
                their ratios
 Results go to labs/results/lab09_tp/.
@@ -31,7 +33,7 @@ from nanodist import experiment
 from nanodist.bench import take_turns
 from nanodist.costmodel import activation_bytes, busbw_factor, ring_bytes, tensor_parallel_traffic
 from nanodist.memory import LiveBytes
-from nanodist.model import GPT, GPTConfig
+from nanodist.model import GPT, PRESETS, GPTConfig
 from nanodist.results import Recorder
 from nanodist.state import full_tensor
 
@@ -55,14 +57,24 @@ def parse_args():
 
 
 def check(args, world_size):
-    sizes = args.tp_sizes or [1, 2, 4]
+    if args.tp > 1 or args.sequence_parallel:
+        return "lab 9 sets tensor parallelism itself, part by part (--tp-sizes; --parts time compares DP with TP over " \
+               "every rank): leave out --tp and --sequence-parallel"
+    sizes = tp_sizes(args, world_size)
     bad = [n for n in sizes if not 1 <= n <= world_size]
-    if args.tp_sizes and bad:
+    if bad:
         return f"--tp-sizes: {bad[0]} rank(s) cannot be formed from this launch's {world_size}: use 1 to {world_size}"
     if "time" in args.parts and world_size < 2:
         return "--parts time compares data and tensor parallelism over the ranks of the launch: run 2 or more"
     if args.batch < 1:
         return f"--batch must be a positive integer, got {args.batch}"
+    heads = PRESETS["tiny" if args.model == "auto" else args.model]["n_head"]
+    for n in sizes + ([world_size] if "time" in args.parts else []):
+        if heads % n or VOCAB % n or args.seq_len % n:
+            return (f"tensor parallelism over {n} ranks splits the heads ({heads}), the vocabulary ({VOCAB}) and, with "
+                    f"SP, the sequence (--seq-len {args.seq_len}): {n} must divide all three")
+    if world_size == 4 and "equivalence" in args.parts and args.batch % 2:
+        return f"--batch {args.batch}: the 2 x 2 mesh gives each of its two data ranks half of it: use an even --batch"
     return None
 
 
@@ -70,14 +82,17 @@ def tp_sizes(args, world_size):
     return sorted(set(args.tp_sizes or [n for n in (1, 2, 4) if n <= world_size]))
 
 
+VOCAB = 64  # the parts' GPT reads random tokens of this vocabulary (the time part: the corpus's)
+
+
 def gpt(cfg, seed=0, **changes):
     torch.manual_seed(seed)
-    return GPT(GPTConfig.preset(cfg.model, vocab_size=64, block_size=cfg.seq_len, **changes))
+    return GPT(GPTConfig.preset(cfg.model, vocab_size=VOCAB, block_size=cfg.seq_len, **changes))
 
 
 def batch(cfg, size, step=0):
     g = torch.Generator().manual_seed(10 + step)
-    x = torch.randint(0, 64, (size, cfg.seq_len + 1), generator=g)
+    x = torch.randint(0, VOCAB, (size, cfg.seq_len + 1), generator=g)
     return x[:, :-1], x[:, 1:]
 
 
@@ -110,7 +125,7 @@ def torch_mlp(cfg, args, sub, n, device):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from nanodist.model import MLP
-    mcfg = GPTConfig.preset(cfg.model, vocab_size=64, block_size=cfg.seq_len)
+    mcfg = GPTConfig.preset(cfg.model, vocab_size=VOCAB, block_size=cfg.seq_len)
     torch.manual_seed(0)
     ours, theirs = MLP(mcfg).to(device), MLP(mcfg).to(device)
     theirs.load_state_dict(ours.state_dict())
@@ -127,8 +142,9 @@ def torch_mlp(cfg, args, sub, n, device):
 
 
 def mesh_2x2(cfg, args, group, device):
-    """FSDP2 on the data dimension x nanodist TP (and TP + SP) on the tensor one, against one process on the
-    whole batch: each data rank takes half of it."""
+    """Data x tensor on a 2 x 2 mesh -- torch's FSDP2 or nanodist's DDP on the data dimension, nanodist TP (and TP +
+    SP) on the tensor one -- against one process on the whole batch: each data rank takes half of it, and the data
+    dimension averages the two halves' gradients."""
     from torch.distributed.fsdp import fully_shard
     mesh = group.mesh({"data": 2, "tensor": 2})
     x, y = (t.to(device) for t in batch(cfg, args.batch))
@@ -138,17 +154,22 @@ def mesh_2x2(cfg, args, group, device):
     half = args.batch // 2
     mine = slice(mesh["data"].rank * half, (mesh["data"].rank + 1) * half)
     rows = []
-    for name, how in (("2 x 2: FSDP2 x nanodist TP", {}), ("2 x 2: FSDP2 x nanodist TP + SP", dict(sequence=True))):
-        model = nd.tensor_parallel(gpt(cfg).to(device), mesh["tensor"], **how)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh.device_mesh["data"])
-        fully_shard(model, mesh=mesh.device_mesh["data"])
-        _, loss = model(x[mine], y[mine])
-        loss.backward()  # FSDP2 averages the two data ranks' gradients: the whole batch's mean
-        grads = [(full_tensor(p.grad), q.grad) for p, q in zip(model.parameters(), plain.parameters())]
-        losses = mesh["data"].all_gather_object(float(loss.detach()))
-        rows.append({"tp": 2, "data": 2, "set-up": name, "loss": sum(losses) / 2,
-                     "loss_one_process": float(want.detach()), "worst_gradient": worst(grads), "tolerance": TOL})
+    for data in ("FSDP2", "nanodist DDP"):
+        for name, how in (("nanodist TP", {}), ("nanodist TP + SP", dict(sequence=True))):
+            model = nd.tensor_parallel(gpt(cfg).to(device), mesh["tensor"], **how)
+            if data == "FSDP2":
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh.device_mesh["data"])
+                trained = fully_shard(model, mesh=mesh.device_mesh["data"])
+            else:
+                trained = nd.DDP(model, group=mesh["data"])
+            _, loss = trained(x[mine], y[mine])
+            loss.backward()
+            grads = [(full_tensor(p.grad), q.grad) for p, q in zip(model.parameters(), plain.parameters())]
+            losses = mesh["data"].all_gather_object(float(loss.detach()))
+            rows.append({"tp": 2, "data": 2, "set-up": f"2 x 2: {data} x {name}", "loss": sum(losses) / 2,
+                         "loss_one_process": float(want.detach()), "worst_gradient": worst(grads),
+                         "tolerance": TOL})
     return rows
 
 
@@ -213,7 +234,7 @@ def timed(args, cfg, data, group):
     rank (each rank the whole batch, 1/world of each block), and by TP + SP; taking turns step by step."""
     W = group.size
     every = cfg.micro_batch * W  # sequences per step, whoever computes them
-    setups = {"DP (nanodist DDP)": (cfg, "nanodist"),
+    setups = {"DP (nanodist DDP)": (cfg, "nanodist-pg"),  # through gloo, as TP's collectives
               f"TP = {W}": (cfg.replace(tp=W, micro_batch=every), "tp"),
               f"TP = {W} + SP": (cfg.replace(tp=W, micro_batch=every, sequence_parallel=True), "tp")}
     runs = {name: experiment.build(c, data, group, wrapper=wrapper, name=name) for name, (c, wrapper) in setups.items()}
@@ -274,6 +295,7 @@ def main():
     if "time" in args.parts:
         rec.metrics["time"] = timed(args, cfg, experiment.load_data(cfg), group)
     rec.metrics["tp_sizes"] = sizes
+    rec.metrics["device"] = device.type
     nd.print0(f"wrote {nd.results.shown(rec.save())}")
     nd.shutdown()
 

@@ -306,9 +306,12 @@ def activation_bytes(batch: int, seq_len: int, n_embd: int, n_head: int, tp: int
                                   the MLP proj's input (4)
         no parallelism:  16 bsh      TP: (4 + 12/tp) bsh      TP + SP: 16/tp bsh   (x act_bytes)
 
-    Megatron's 34 bsh + 5 a s^2 b (fp16) counts dropout masks (none here: dropout 0) and the attention's s x s
-    scores, which the fused attention kernel never stores: it keeps one number per row instead (its logsumexp),
-    and writes its output in (b, s, heads, d) order, so proj's input is a view of it, not a copy. Each LayerNorm
+    Megatron's per-layer 34 s b h + 5 a s^2 b is in bytes, fp16: the same 16 values at 2 bytes each, two 1-byte
+    dropout masks (none here: dropout 0), and the attention's s x s scores with their softmax and dropout mask
+    (the 5 a s^2 b), which the fused attention kernel never stores: it keeps one number per row instead (its
+    logsumexp), and writes its output in (b, s, heads, d) order, so proj's input is a view of it, not a copy. The
+    formula assumes one dtype throughout (fp32 here; under bf16 autocast the residual stream and the LayerNorms'
+    inputs stay fp32). Each LayerNorm
     keeps two numbers per row (mean and 1/std). These small terms: b x s x (heads/tp + 4 (/tp under SP)) fp32
     values. Returns {"main": ..., "small": ..., "total": ...}."""
     bsh = batch * seq_len * n_embd

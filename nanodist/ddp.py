@@ -32,14 +32,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .group import Group
 from . import diverge
 from .runtime import get_logger
+from .state import is_dtensor
 from .sync import (DONE, Bucket, BucketTimeline, GradSync, LocalFinite, ReportsLocalFinite, Slot, Work, all_reduce_sum,
-                   pack_buckets, refuse_dtensors)
+                   local, pack_buckets, refuse_dtensors)
 
 _ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run a function when backward ends
 
 
 class _SyncBase(nn.Module):
     """What DDP and NaiveDDP share: wrapping, broadcasting rank 0's state, no_sync, the end-of-backward callback."""
+
+    takes_other_dimensions = False  # DTensor parameters laid out on other ranks of a mesh (DDP: see there)
 
     def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True):
         super().__init__()
@@ -51,7 +54,8 @@ class _SyncBase(nn.Module):
         self.group, self.pg, self.world_size = g, g.pg, g.size
         self.broadcast_buffers = broadcast_buffers
         self._require_sync = True
-        refuse_dtensors(module.named_parameters(), f"nanodist.{type(self).__name__}")
+        refuse_dtensors(module.named_parameters(), f"nanodist.{type(self).__name__}",
+                        group=g if self.takes_other_dimensions else None)
         self.trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check_same_structure()  # first: every rank must agree before anyone may raise
         sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True
@@ -73,7 +77,7 @@ class _SyncBase(nn.Module):
 
     def _broadcast_from_rank0(self) -> list[str]:
         """Make every rank start from rank 0's parameters and buffers; return the names that differed."""
-        tensors = list(self.module.named_parameters()) + list(self.module.named_buffers())
+        tensors = [(n, local(p)) for n, p in self.module.named_parameters()] + list(self.module.named_buffers())
         differ = self.group.broadcast_from_first(tensors)
         if differ:
             get_logger().warning(f"DDP: ranks started with different values for {len(differ)} tensor(s) "
@@ -122,8 +126,13 @@ class _SyncBase(nn.Module):
         self.require_sync = bool(requires_gradient_sync)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Every rank holds the whole averaged gradient: its norm is the global one, computed locally."""
-        return torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.grad is not None], max_norm)
+        """Every rank holds the whole averaged gradient: its norm is the global one, computed locally -- or, with
+        tensor-parallel DTensors among them, over their mesh's other dimension (nanodist.parallel.clip_grad_norm_)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if any(is_dtensor(p.grad) for p in params):
+            from .parallel import clip_grad_norm_
+            return clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def _in_backward(self) -> bool:
         """A backward started synchronising and did not finish (interrupted by an exception)."""
@@ -170,9 +179,15 @@ class DDP(_SyncBase, ReportsLocalFinite):
     them, and a parameter without a gradient is still an error, at once), but no bucket buffer is allocated and
     nothing is copied, scaled or reduced: the gradients stay in p.grad, where backward left them.
 
+    On a 2-D mesh, DDP over the data dimension takes a model split by tensor parallelism (nanodist.tp) on the
+    other one: its DTensor parameters' local pieces, which the ranks of a data group hold alike, are broadcast,
+    packed and averaged as plain tensors, and each averaged gradient is a DTensor over its bucket's view.
+
     The hooks, the bucket order and the end-of-backward wait are the gradient-sync engine's (nanodist.sync);
     what is DDP's own is below: how a bucket is packed and reduced, and where the average ends up.
     """
+
+    takes_other_dimensions = True
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
@@ -226,15 +241,16 @@ class DDP(_SyncBase, ReportsLocalFinite):
 
     def _build_buckets(self) -> list[Bucket]:
         order = list(reversed(range(len(self._params))))  # backward meets the last layers first
-        runs = pack_buckets([self._params[i] for i in order], self.bucket_cap_bytes, self.first_bucket_cap_bytes)
+        pieces = [local(p) for p in self._params]  # a DTensor's local piece: what this rank averages
+        runs = pack_buckets([pieces[i] for i in order], self.bucket_cap_bytes, self.first_bucket_cap_bytes)
         buckets = []
         for k, run in enumerate(runs):
             idx = [order[j] for j in run]
             slots, n = [], 0
             for i in idx:
-                slots.append(Slot(i, 0, self._params[i].numel(), n))
-                n += self._params[i].numel()
-            p0 = self._params[idx[0]]
+                slots.append(Slot(i, 0, pieces[i].numel(), n))
+                n += pieces[i].numel()
+            p0 = pieces[idx[0]]
             b = Bucket(k, idx, slots, n, p0.dtype, p0.device)
             if self.world_size == 1:  # alone: the gradients stay where backward puts them (see the docstring)
                 b.extra.update(what=f"DDP bucket {k} (a world of one: nothing to reduce)")
@@ -242,7 +258,7 @@ class DDP(_SyncBase, ReportsLocalFinite):
                 continue
             buffer = torch.zeros(n, dtype=p0.dtype, device=p0.device)
             b.extra.update(buffer=buffer, grads=buffer, what=f"DDP all-reduce of bucket {k}",
-                           views=[buffer[s.offset:s.offset + s.numel].view_as(self._params[s.param]) for s in slots])
+                           views=[buffer[s.offset:s.offset + s.numel].view_as(pieces[s.param]) for s in slots])
             buckets.append(b)
         return buckets
 
@@ -256,7 +272,7 @@ class DDP(_SyncBase, ReportsLocalFinite):
             for b in self.buckets:
                 reducer = SharedMemoryAllReduce(b.extra["buffer"].numel(), b.dtype, self.group)
                 b.extra.update(reducer=reducer, shm_views=[reducer.mine[s.offset:s.offset + s.numel].view_as(
-                    self._params[s.param]) for s in b.slots])
+                    local(self._params[s.param])) for s in b.slots])
         except (ValueError, OSError) as e:  # raised on every rank alike, so every rank falls back together
             for b in self.buckets:
                 b.extra.pop("reducer", None)
@@ -278,7 +294,7 @@ class DDP(_SyncBase, ReportsLocalFinite):
             return DONE
         reducer = b.extra.get("reducer")
         views = b.extra["shm_views"] if reducer is not None else b.extra["views"]
-        have = [(v, self._params[s.param].grad) for v, s in zip(views, b.slots)]
+        have = [(v, local(self._params[s.param].grad)) for v, s in zip(views, b.slots)]
         for v, g in have:
             if g is None:
                 v.zero_()
@@ -346,7 +362,10 @@ class DDP(_SyncBase, ReportsLocalFinite):
         for b in self.buckets:
             for s, view in zip(b.slots, b.extra["views"]):
                 p = params[s.param]
-                if p.grad is not view:
+                if is_dtensor(p):  # tensor parallelism's DTensor: the average is its local piece
+                    if p.grad is None or p.grad._local_tensor is not view:
+                        p.grad = _as_dtensor_like(view, p)
+                elif p.grad is not view:
                     p.grad = view  # the averaged gradient lives in the bucket: no copy back
         for i in unused_everywhere:
             params[i].grad = None
@@ -399,6 +418,12 @@ class DDP(_SyncBase, ReportsLocalFinite):
 
     def _set_sync(self, sync: bool) -> None:
         self._engine.enabled = sync
+
+
+def _as_dtensor_like(piece: torch.Tensor, p) -> torch.Tensor:
+    """`piece` as the local piece of a DTensor laid out as p (no copy, no communication)."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 class NaiveDDP(_SyncBase):

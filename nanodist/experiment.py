@@ -27,10 +27,11 @@ through shared memory on CPU ranks of one machine unless --shared-memory off), "
 "none" (the bare model: the optimizer averages, ZeRO), "fsdp" (nanodist.FSDP, every Block a unit) and
 "fsdp2" (torch's fully_shard on every Block and the root, on a CPU or GPU mesh of the group). With --tp n the
 world becomes a mesh of world/n data ranks x n tensor ranks, nanodist.tp splits every block over the tensor
-dimension, and the wrapper ("fsdp2"; "tp" when the data dimension has one rank) averages over the data one.
+dimension, and the wrapper ("nanodist", "nanodist-pg", "fsdp2"; "tp" when the data dimension has one rank)
+averages over the data one.
 Optimizers: "adamw" (torch.optim.AdamW), "muon" (MuonAdamW), "dist-adamw" (DistAdamW), "dist-muon"
-(make_muon_optimizer: Muon for matrices, AdamW for the rest), "zero1-adamw" (ZeroOptimizer over AdamW), "zero-redundancy-adamw" (torch's
-ZeroRedundancyOptimizer over AdamW, behind a DDP wrapper).
+(make_muon_optimizer: Muon for matrices, AdamW for the rest), "zero1-adamw" (ZeroOptimizer over AdamW),
+"zero-redundancy-adamw" (torch's ZeroRedundancyOptimizer over AdamW, behind a DDP wrapper).
 """
 from __future__ import annotations
 
@@ -529,6 +530,9 @@ def check_setup(wrapper: str, optimizer: str, tp: int = 1) -> None:
     if o.whole_parameters and w.flat_shards:
         raise ValueError(f"optimizer={optimizer!r} needs whole parameters, and wrapper={wrapper!r} shards each of "
                          f"them (flat slices or DTensor rows): use 'adamw' with it (Chapter 5 explains why)")
+    if tp > 1 and o.whole_parameters:
+        raise ValueError(f"tp={tp}: optimizer={optimizer!r} needs whole parameters, and tensor parallelism splits "
+                         f"them over the tensor dimension: use 'adamw'")
     if tp > 1 and not w.tensor_parallel:
         takes = ", ".join(n for n, spec in WRAPPERS.items() if spec.tensor_parallel)
         raise ValueError(f"tp={tp}: wrapper={wrapper!r} cannot average a model split by tensor parallelism (its "
@@ -549,13 +553,13 @@ def _tensor_only(raw, ctx):
     return raw
 
 
-@register_wrapper("nanodist", doc="nanodist.DDP (shared memory on CPU ranks of one machine)")
+@register_wrapper("nanodist", doc="nanodist.DDP (shared memory on CPU ranks of one machine)", tensor_parallel=True)
 def _nanodist_ddp(raw, ctx):
     return DDP(raw, bucket_cap_mb=ctx.cfg.bucket_mb, group=ctx.group, record_timeline=ctx.record_timeline,
                shared_memory=ctx.shared_memory)
 
 
-@register_wrapper("nanodist-pg", doc="nanodist.DDP through the process group, like torch")
+@register_wrapper("nanodist-pg", doc="nanodist.DDP through the process group, like torch", tensor_parallel=True)
 def _nanodist_pg(raw, ctx):
     return DDP(raw, bucket_cap_mb=ctx.cfg.bucket_mb, group=ctx.group, record_timeline=ctx.record_timeline,
                shared_memory=False)

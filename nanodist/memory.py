@@ -353,13 +353,14 @@ class LiveBytes:
             loss = model(x, y)[1]; loss.backward()
         live.peak, live.at_peak                             # the largest total, and what it was made of
 
-    Two kinds are counted: "activations" -- every tensor autograd saves for backward, except parameters and
-    views of them (and, given `parameters=model.parameters()`, tensors on their storage: a DTensor parameter's
-    local piece, which tensor parallelism multiplies by, is not a view autograd can see through), counted once per storage while any saved reference to it is alive (added when saved, removed when backward has unpacked it for the
-    last time) -- and "gathered" -- FSDP units' full parameter buffers, between their gather and their free. What
-    a step holds throughout (parameters or shards, gradients, optimizer state) is measure_memory's business; add
-    it to get the step's peak. Temporaries inside an operation are not counted: allocated_peak() measures those
-    too, from the allocator, and the difference is the workspace of the operations.
+    Two kinds are counted: "activations" -- every tensor autograd saves for backward, except parameters and views of
+    them (and, given `parameters=model.parameters()`, tensors on their storage: a DTensor parameter's local piece,
+    which tensor parallelism multiplies by, is not a view autograd can see through), counted once per storage while
+    any saved reference to it is alive (added when saved, removed when backward has unpacked it for the last time)
+    -- and "gathered" -- FSDP units' full parameter buffers, between their gather and their free. What a step holds
+    throughout (parameters or shards, gradients, optimizer state) is measure_memory's business; add it to get the
+    step's peak. Temporaries inside an operation are not counted: allocated_peak() measures those too, from the
+    allocator, and the difference is the workspace of the operations.
     """
 
     def __init__(self, clock=None, parameters=()):

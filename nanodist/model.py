@@ -249,6 +249,11 @@ class GPT(nn.Module):
             raise ValueError("this model's output layer is split by vocabulary (nanodist.tp, vocab=True): each rank "
                              "holds a slice of the logits, so it cannot sample alone; generate with the unsplit "
                              "model (load its checkpoint into one process)")
+        if getattr(self, "sequence_split", None):
+            raise ValueError("this model splits each sequence over its tensor-parallel ranks (nanodist.tp, "
+                             "sequence=True), and generating grows the context one token at a time, a length the "
+                             "ranks cannot split evenly: generate with the unsplit model (load its checkpoint into "
+                             "one process)")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if temperature > 0 and generator is None:

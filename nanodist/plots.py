@@ -705,7 +705,8 @@ def tensor_parallel_block(sequence: bool = False, ranks: int = 2, ax=None):
     and g a reduce-scatter. What each operator does forward and backward is written under it."""
     if ax is None:
         _, ax = plt.subplots(figsize=(COLUMN_IN, 1.3 + 0.8 * ranks))
-    f_fwd, f_bwd = ("all-gather", "reduce-scatter") if sequence else ("identity", "all-reduce")
+    f_fwd, f_bwd = ("all-gather", "reduce-scatter\n(and the shard gathered again)") if sequence else \
+        ("identity", "all-reduce")
     g_fwd, g_bwd = ("reduce-scatter", "all-gather") if sequence else ("all-reduce", "identity")
     left, right = ("X: T/n each", "Y: T/n each") if sequence else ("X, whole", "Y, whole")
     top = ranks * 1.3

@@ -845,18 +845,23 @@ def best_strategy(model: Transformer, cluster: Cluster, gpus: int, global_batch_
     tensor-parallel sizes to try too (each with sequence parallelism when above 1): a data-parallel rank is then
     tp GPUs, so the same batch spreads over tp times more GPUs. Of the set-ups within 1 % of the fastest, the
     simplest wins (no recomputation first, then the smallest tp, then DDP before ZeRO before FSDP)."""
-    fits = []
+    fits, uneven = [], []
     for tp in tp_sizes:
+        if not isinstance(tp, int) or tp < 1 or gpus % tp or tp > cluster.gpus_per_node or model.heads % tp:
+            continue  # a TP size this cluster or model cannot have (project says why)
         dp = gpus // tp
         if global_batch_tokens % (dp * model.seq_len) and global_batch_tokens >= dp * model.seq_len:
-            raise ValueError(f"best_strategy: a global batch of {global_batch_tokens} tokens does not split into "
-                             f"{dp} data-parallel ranks x sequences of {model.seq_len}")
+            uneven.append(f"{dp} data-parallel ranks")
+            continue
         per_rank = global_batch_tokens // (dp * model.seq_len)
         if per_rank < 1:
             continue
         fits += [p for recompute in (False, True)
                  for p in [project(model, cluster, gpus, s, 1, per_rank, compute_efficiency, overlap,
                                    recompute=recompute, tp=tp, sequence_parallel=tp > 1) for s in strategies] if p.fits]
+    if not fits and uneven:
+        raise ValueError(f"best_strategy: a global batch of {global_batch_tokens} tokens does not split into "
+                         f"{' or '.join(uneven)} x sequences of {model.seq_len}")
     if not fits:
         return None
     fastest = max(p.tokens_per_s_per_gpu for p in fits)

@@ -84,8 +84,9 @@ def savable(t):
         # gathers it by hand, but DCP's save and load go through DTensor's own)
         raise ValueError("this model's fused qkv is split head by head by nanodist.tp and sharded again by FSDP2 on "
                          "a 2-D mesh: torch's DTensor cannot describe that layout, so torch.distributed.checkpoint "
-                         "cannot write or read it. Training so is right; to checkpoint, keep a data dimension of 1 "
-                         "under nanodist.tp, or use torch's parallelize_module under FSDP2 (its layouts gather)")
+                         "cannot write or read it. Training so is right; to checkpoint, average over the data dimension "
+                         "with nanodist.DDP(model, group=mesh['data']) instead of FSDP2, or use torch's "
+                         "parallelize_module under FSDP2 (its layouts gather)")
     whole = full_tensor(t)  # gathered here (and through the host where gloo holds GPU memory): then re-cut
     return dtensor_like(whole, t, placements=[*placements[:last], Replicate()])
 

@@ -71,17 +71,33 @@ class Work:
 DONE = Work()  # the handle of a reduction that has already finished
 
 
-def refuse_dtensors(named, who: str) -> None:
+def refuse_dtensors(named, who: str, group: Group | None = None) -> None:
     """nanodist's wrappers and sharded optimizers pack plain tensors into flat buffers: a DTensor parameter (tensor
     parallelism, or a model sharded already) would be packed by its local piece as if it were whole. Say so at
-    once, naming the first few, and what to do instead."""
-    bad = [name for name, t in named if is_dtensor(t)]
+    once, naming the first few, and what to do instead.
+
+    `group`: the wrapper averages over it and can take DTensors laid out on *other* ranks -- another dimension of
+    the mesh, as nanodist.tp's on "tensor" when `group` is "data" -- whose local pieces its ranks hold alike (DDP):
+    those pass, and only DTensors spread over `group`'s own ranks are refused."""
+    bad = [name for name, t in named if is_dtensor(t) and (group is None or _spread_over(t, group))]
     if bad:
         listed = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
         raise ValueError(f"{who} takes plain tensors, and {listed} {'is a DTensor' if len(bad) == 1 else 'are DTensors'}"
-                         f" (tensor parallelism, or a model sharded already). Average such a model's gradients "
-                         f"with torch's fully_shard on the data dimension of the mesh (Trainer(mesh=...)), or give "
-                         f"{who} the model before it is parallelised.")
+                         f" (tensor parallelism, or a model sharded already) on the ranks it would average over. "
+                         f"Average such a model's gradients over the mesh's other dimension: nanodist.DDP(model, "
+                         f"group=mesh['data']) or torch's fully_shard on the data dimension of the mesh "
+                         f"(Trainer(mesh=...)); or give {who} the model before it is parallelised.")
+
+
+def _spread_over(t, group: Group) -> bool:
+    """Whether DTensor t is laid out over more than one rank of `group` (not only over other dimensions)."""
+    ranks = set(t.device_mesh.mesh.flatten().tolist())
+    return len(ranks & set(group.ranks)) > 1
+
+
+def local(t):
+    """A DTensor's local piece (what this rank holds and packs); anything else as it is (None too)."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def optimizer_params(optimizer) -> list:

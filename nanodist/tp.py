@@ -229,11 +229,15 @@ class SequenceGatheredLinear(torch.autograd.Function):
     """SP's f fused with a column-parallel layer: all-gather the sequence, multiply, and keep only the *shard* for
     backward (1/n of the input, the point of SP), gathering it again there for the weight's gradient. Backward:
     the input's gradient is a partial sum over the ranks' slabs, so it is reduce-scattered to this rank's
-    positions. Under autocast the matmul runs in the autocast dtype; the gradients return in the inputs' dtypes."""
+    positions. Under autocast the shard is cast to the autocast dtype before it is gathered and kept (as F.linear
+    would cast it), so half the bytes travel and stay; the gradients return in the inputs' dtypes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.x_dtype = group, bias is not None, x.dtype
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):  # the matmul's dtype before the gather: half the bytes, sent and kept
+            x = x.to(torch.get_autocast_dtype(kind))
         ctx.save_for_backward(x, weight)
         full = _gather_sequence(x, group, "SP f: all-gather of the sequence")
         return F.linear(full, weight, bias)
@@ -247,8 +251,8 @@ class SequenceGatheredLinear(torch.autograd.Function):
         grad_x = _reduce_scatter_sequence(grad_full, group, "SP f: reduce-scatter of the input's gradient")
         grad_w = grad.flatten(0, -2).t() @ full.flatten(0, -2)
         grad_b = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return (grad_x.to(x.dtype), grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(weight.dtype),
-                None)
+        return (grad_x.to(ctx.x_dtype), grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(weight.dtype), None)
 
 
 def _whole_gradient(p: torch.Tensor, group: Group) -> torch.Tensor:
@@ -511,7 +515,10 @@ def tensor_parallel(model: nn.Module, group=None, vocab: bool = False, sequence:
             block.attn.resid_drop = ShardedDropout(block.attn.resid_drop, group)
             block.mlp.drop = ShardedDropout(block.mlp.drop, group)
     if sequence:  # the region runs from the embeddings' dropout to the final norm (parameterless modules: same names)
+        # (with the vocabulary split, the embedding's g all-reduces and the split keeps 1/n of it: Megatron
+        # reduce-scatters there, half the bytes of that one collective; the embedding stays one layer for both)
         model.drop = nn.Sequential(SplitSequence(group), ShardedDropout(model.drop, group))
+        model.sequence_split = group.size  # GPT.generate refuses: its context grows one token at a time
         # the head: split by vocabulary, it gathers the sequence itself (column-parallel); else it is replicated
         model.ln_f = SequenceParallelLayerNorm(model.ln_f, group, gather=not vocab)
     if vocab:

@@ -180,9 +180,11 @@ def test_a_nan_on_one_rank_stops_every_rank_naming_its_global_rank():
 def checkpoint_worker(rank, W, directory, fmt, kind="net", shape=(2, 2)):
     """4 steps straight; then 2 steps, a checkpoint, and a fresh run resuming from it for the last 2. Rank 0 then
     loads the same checkpoint into one process (the plain model, AdamW) and takes the same last 2 steps. kind
-    "net": Net under FSDP2 x torch's TP; "gpt": the course's GPT under nanodist.tp (and FSDP2 where data > 1)."""
+    "net": Net under FSDP2 x torch's TP; "gpt": the course's GPT under nanodist.tp (and FSDP2 where data > 1);
+    "gpt-ddp": the same under nanodist DDP on the data dimension."""
     import nanodist as nd
-    parallel, plain = (parallel_net, Net) if kind == "net" else (parallel_gpt, gpt)
+    parallel, plain = {"net": (parallel_net, Net), "gpt": (parallel_gpt, gpt),
+                       "gpt-ddp": (lambda m: parallel_gpt(m, data="ddp"), gpt)}[kind]
     from nanodist.checkpoint import CheckpointError, CheckpointManager
     from nanodist.train import Trainer
     mesh = nd.Group.world().mesh({"data": shape[0], "tensor": shape[1]})
@@ -218,11 +220,13 @@ def checkpoint_worker(rank, W, directory, fmt, kind="net", shape=(2, 2)):
 
 
 @pytest.mark.parametrize("fmt,kind,shape", [("sharded", "net", (2, 2)), ("full", "net", (2, 2)),
-                                            ("sharded", "gpt", (1, 2)), ("full", "gpt", (1, 2))],
-                         ids=["2x2-torch-tp-sharded", "2x2-torch-tp-full", "tp2-nanodist-sharded", "tp2-nanodist-full"])
+                                            ("sharded", "gpt", (1, 2)), ("full", "gpt", (1, 2)),
+                                            ("sharded", "gpt-ddp", (2, 2))],
+                         ids=["2x2-torch-tp-sharded", "2x2-torch-tp-full", "tp2-nanodist-sharded", "tp2-nanodist-full",
+                              "2x2-nanodist-ddp-nanodist-tp-sharded"])
 def test_a_checkpoint_on_a_mesh_resumes_exactly_and_loads_in_one_process(fmt, kind, shape, tmp_path):
-    """A TP = 2 checkpoint of the course's GPT resumes bit for bit at TP = 2 and loads at TP = 1; so does a 2 x 2 one
-    of FSDP2 x torch's TP."""
+    """A TP = 2 checkpoint of the course's GPT resumes bit for bit at TP = 2 and loads at TP = 1; so do a 2 x 2 one
+    of FSDP2 x torch's TP and one of nanodist DDP x nanodist TP."""
     outs = spawn(checkpoint_worker, shape[0] * shape[1], args=(str(tmp_path), fmt, kind, shape), timeout=300)
     for out in outs:
         assert out["straight"][2:] == out["resumed"], out  # bit for bit: the same steps, the same arithmetic
@@ -287,13 +291,17 @@ def gpt():
     return GPT(GPTConfig.preset("tiny", vocab_size=V))
 
 
-def parallel_gpt(mesh, sequence=False):
+def parallel_gpt(mesh, sequence=False, data="fsdp2"):
     """The course's GPT with nanodist's own tensor parallelism (nanodist.tp; sequence parallelism too with
-    sequence=True) on the tensor dimension, FSDP2 on the data one where it has more than one rank."""
+    sequence=True) on the tensor dimension, and on the data one, where it has more than one rank, torch's FSDP2
+    (data="fsdp2") or nanodist's DDP (data="ddp": it averages the DTensors' local pieces over the data group)."""
     from torch.distributed.fsdp import fully_shard
 
+    import nanodist as nd
     from nanodist.tp import tensor_parallel
     model = tensor_parallel(gpt(), mesh["tensor"], sequence=sequence)
+    if mesh["data"].size > 1 and data == "ddp":
+        return nd.DDP(model, group=mesh["data"], bucket_cap_mb=0.05)  # several buckets: DTensors and plain mixed
     if mesh["data"].size > 1:
         for block in model.blocks:
             fully_shard(block, mesh=mesh.device_mesh["data"])
@@ -301,11 +309,11 @@ def parallel_gpt(mesh, sequence=False):
     return model
 
 
-def gpt_mesh_worker(rank, W, shape, sequence=False):
+def gpt_mesh_worker(rank, W, shape, sequence=False, data="fsdp2"):
     """parallel_gpt trained by the Trainer: the one-process losses and norms."""
     import nanodist as nd
     mesh = nd.Group.world().mesh({"data": shape[0], "tensor": shape[1]})
-    model = parallel_gpt(mesh, sequence)
+    model = parallel_gpt(mesh, sequence, data)
     trainer = run(model, {"mesh": mesh}, Batches(mesh["data"].rank, MICRO, MICRO * shape[0]), MICRO, shape[0])
     out = {"rows": [(h["loss"], h["grad_norm"]) for h in trainer.history], "data": mesh["data"].rank}
     if rank == 0:
@@ -315,12 +323,15 @@ def gpt_mesh_worker(rank, W, shape, sequence=False):
     return out
 
 
-@pytest.mark.parametrize("W,shape,sequence", [(2, (1, 2), False), (4, (2, 2), False), (4, (2, 2), True)],
-                         ids=["1x2-nanodist-tp", "2x2-fsdp2-nanodist-tp", "2x2-fsdp2-nanodist-tp-sp"])
-def test_the_gpt_with_nanodist_tp_on_a_mesh_trains_as_one_process(W, shape, sequence):
+@pytest.mark.parametrize("W,shape,sequence,data", [(2, (1, 2), False, "-"), (4, (2, 2), False, "fsdp2"),
+                                                   (4, (2, 2), True, "fsdp2"), (4, (2, 2), False, "ddp"),
+                                                   (4, (2, 2), True, "ddp")],
+                         ids=["1x2-nanodist-tp", "2x2-fsdp2-nanodist-tp", "2x2-fsdp2-nanodist-tp-sp",
+                              "2x2-nanodist-ddp-nanodist-tp", "2x2-nanodist-ddp-nanodist-tp-sp"])
+def test_the_gpt_with_nanodist_tp_on_a_mesh_trains_as_one_process(W, shape, sequence, data):
     """Losses and norms, not parameters: AdamW turns the key bias's zero gradient (rounding noise in both runs)
     into +-lr updates that differ, but a key bias moves no softmax, so the losses do not see them."""
-    outs = spawn(gpt_mesh_worker, W, args=(shape, sequence), timeout=300)
+    outs = spawn(gpt_mesh_worker, W, args=(shape, sequence, data), timeout=300)
     want = outs[0]["ref_rows"]
     for out in outs:
         for step, (_, norm) in enumerate(out["rows"]):

@@ -164,6 +164,9 @@ caption("prov_lab", lab.results)
 rows = m["equivalence"]
 assert all(r["worst_gradient"] <= r["tolerance"] for r in rows), rows
 assert all(abs(r["loss"] - r["loss_one_process"]) <= r["tolerance"] * r["loss_one_process"] for r in rows if "loss" in r)
+split = max(r["worst_gradient"] for r in rows if r["tp"] > 1)
+glue("worst_split", split, display=False)
+glue("tol_margin", Markdown(f"{rows[0]['tolerance'] / split:.0f} times" if split > 0 else "far"), display=False)
 Table({"ranks": r["tp"] * r.get("data", 1), "set-up": r["set-up"],
        "loss": round(r["loss"], 6) if "loss" in r else "", "one process": round(r.get("loss_one_process", 0), 6) or "",
        "worst gradient difference": f"{r['worst_gradient']:.1e}", "tolerance": f"{r['tolerance']:.0e}"} for r in rows)
@@ -174,9 +177,9 @@ md(r"""
 
 Every gradient agrees with one process to within a relative $10^{-5}$ of its tensor's largest value. Not
 bit for bit: a row-parallel layer's all-reduce adds the partial products in another order than one matmul
-does, and each of those sums rounds differently in fp32, by about $10^{-7}$. The tolerance leaves a margin of a
-hundred above that, and `tests/test_tp.py` plants an error of $10^{-3}$ (one rank's slab of one weight
-$\times 1.001$) and checks that the same comparison catches it. The tests run the same comparison at TP = 1, 2
+does, and each of those sums rounds differently in fp32; the largest difference of a split model here was
+{glue:text}`worst_split:.1e`, so the tolerance sits {glue:md}`tol_margin` above it. `tests/test_tp.py` plants an
+error of $10^{-3}$ (one rank's slab of one weight $\times 1.001$) and checks that the same comparison catches it. The tests run the same comparison at TP = 1, 2
 and 4, take three optimizer steps, and check that TP = 3 on a model with 4 heads stops with a message naming
 the heads.
 
@@ -227,8 +230,10 @@ chapter.predict(
     "assert row[\"equal\"]\n"
     "measured = round(row[\"ring_bytes_counted\"] / MIB, 3)",
     "The size of each all-reduce does not depend on n; what a ring makes each rank send of it does (Chapter 2).",
-    "# 4 all-reduces of S = 8 x 64 x 64 x 4 bytes = 0.125 MiB, each costing 2 (n - 1) / n = 1.5 of it per rank:\n"
-    "prediction = round(4 * 1.5 * 8 * 64 * 64 * 4 / 2**20, 3)   # 0.75: more than TP = 2's 0.5, never less",
+    "# 4 all-reduces of S = batch x seq_len x n_embd x 4 bytes, each costing 2 (n - 1) / n = 1.5 of it per rank:\n"
+    "run = four.results[\"config\"]\n"
+    "S = run[\"batch\"] * run[\"seq_len\"] * nd.model.GPTConfig.preset(run[\"model\"]).n_embd * 4\n"
+    "prediction = round(4 * 1.5 * S / 2**20, 3)   # 0.75 for the tiny model: more than TP = 2's 0.5, never less",
     rel_tol=0.01,
 )
 
@@ -251,9 +256,10 @@ for this model):
 | LayerNorms' inputs, `qkv`'s and `fc`'s inputs | 4 | 4 | 4 / $n$ |
 | $q$, $k$, $v$; attention's output; GELU's input; `proj`'s input | 12 | 12 / $n$ | 12 / $n$ |
 
-(Megatron's 34 $bsh$ counts fp16 dropout masks and the attention's $s \times s$ scores; this model has no
-dropout in the lab, and the fused attention kernel keeps one number per row, its log-sum-exp, instead of the
-scores. Those small terms, and each LayerNorm's mean and $1/\sigma$, are in the formula too.)
+(Megatron's per-layer $34\,sbh + 5\,as^2b$ is in *bytes* of fp16: the same 16 values at 2 bytes each, plus two
+1-byte dropout masks, plus the attention's $s \times s$ scores, softmax and mask. This model has no dropout in the
+lab, and the fused attention kernel keeps one number per row, its log-sum-exp, instead of the scores. Those small
+terms, and each LayerNorm's mean and $1/\sigma$, are in the formula too.)
 
 **Sequence parallelism** {cite}`korthikanti2022reducing` splits the rest along the sequence. Between the blocks'
 matmuls each rank keeps $s/n$ positions of the residual stream, and the LayerNorms and dropouts run on them.
@@ -279,13 +285,18 @@ Table({"phase": phase, "collective": kind, "bytes": nbytes, "counted in the run"
 
 md(r"""
 At TP = 2 with SP, one block sends {glue:text}`sp_over_tp:.2f` times what plain TP sends: the re-gather
-backward, and the small all-reduces of the parameters' gradients (the last rows). What it buys is the
+backward (two of the four backward all-gathers), and the small all-reduces of the parameters' gradients (the
+all-reduce row). What it buys is the
 activations:
 """)
 
 code(r"""
 mem = m["memory"]
-assert all(max(r["measured_per_rank"]) == r["formula"]["total"] for r in mem), mem
+# on a CPU every saved tensor is predictable (fp32, the fused attention kernel): equal to the byte; a GPU's
+# attention kernel may keep a few more numbers per row (padding, its random state): within 2 %
+exact = m["device"] == "cpu"
+assert all(abs(max(r["measured_per_rank"]) - r["formula"]["total"]) <= (0 if exact else 0.02 * r["formula"]["total"])
+           for r in mem), mem
 one = next(r for r in mem if r["tp"] == 1)
 glue("mem_tp1_mib", one["formula"]["total"] / MIB, display=False)
 Table({"TP": r["tp"], "SP": r["sequence_parallel"], "measured per rank (bytes)": max(r["measured_per_rank"]),
@@ -332,7 +343,8 @@ Dropout draws random masks, and TP changes which ranks must draw the *same* ones
 - where a rank holds **its own slice** (its heads; with SP, its positions), each must draw its own, or the
   ranks' slices would be dropped in lockstep, which one process never does.
 
-The model's generator stays in step on every rank (the labs seed it alike). Where a rank's slice is dropped,
+The model's generator stays in step on every rank (the labs seed it alike; data-parallel replicas then draw the
+same masks on their different sequences, as in Megatron by default). Where a rank's slice is dropped,
 `tp.ShardedRandom` takes one number from that shared generator and seeds, inside a fork of the generators, a
 stream from it and the rank. The draw is part of the shared stream, so activation checkpointing's recompute,
 which restores the generators, draws it again and finds the same masks:
@@ -362,22 +374,29 @@ Table({"rank": r, "data coordinate": r // tp_size, "tensor coordinate": r % tp_s
 """)
 
 md(r"""
-The 2 × 2 rows of the equivalence table above are this mesh: torch's FSDP2 shards the parameters on the data
-dimension (each of the two data ranks takes half of the batch and FSDP2 averages their gradients), nanodist's
-TP splits every block on the tensor dimension, and the gradients equal one process's on the whole batch.
-`tests/test_trainer_mesh.py` trains it with the Trainer (`Trainer(model, ..., mesh=mesh)`), and FSDP2 × torch's
-own TP likewise. In a lab the mesh is one flag: `--tp 2` (and `--sequence-parallel`) makes the world a mesh of
-world/2 data ranks × 2 tensor ranks, splits the model with `nd.tensor_parallel`, and averages over the data
-dimension with the wrapper (`fsdp2`; `tp` when every rank is in the one tensor group):
+The 2 × 2 rows of the equivalence table above are this mesh: nanodist's TP splits every block on the tensor
+dimension, each of the two data ranks takes half of the batch, and on the data dimension either torch's FSDP2
+shards the parameters and averages the gradients, or nanodist's DDP averages them. What lets DDP do it is one
+observation: a DTensor laid out on *another* dimension of the mesh is, on every rank of a data group, the same
+piece of the same tensor. So DDP broadcasts, packs and averages its local piece as it would a plain tensor, hands
+back a DTensor over the bucket's view, and takes the global norm for clipping from the DTensors' placements. Either way the gradients equal one process's on the whole
+batch. `tests/test_trainer_mesh.py` trains all four with the Trainer (`Trainer(model, ..., mesh=mesh)`), and
+FSDP2 × torch's own TP likewise. In a lab the mesh is one flag: `--tp 2` (and `--sequence-parallel`) makes the
+world a mesh of world/2 data ranks × 2 tensor ranks, splits the model with `nd.tensor_parallel`, and averages
+over the data dimension with the wrapper (`nanodist`, `nanodist-pg` or `fsdp2`; `tp` when every rank is in the
+one tensor group):
 
 ```python
 cfg = experiment.RunConfig.from_args(args).replace(tp=2, sequence_parallel=True)
-run = experiment.build(cfg, data, nd.Group.world(), wrapper="fsdp2")   # 4 ranks: FSDP2 over 2 data x TP over 2
+run = experiment.build(cfg, data, nd.Group.world(), wrapper="nanodist")   # 4 ranks: DDP over 2 data x TP over 2
 run.trainer.fit()
 ```
 
-nanodist's own DDP and FSDP pack plain tensors into flat buffers; given TP's DTensors they stop with a message
-that says to use FSDP2 on the data dimension.
+nanodist's FSDP and its sharded optimizers flatten parameters into shards of their own; given TP's DTensors they
+stop with a message that says what to use instead. One limit comes from torch 2.13 itself: FSDP2 over nanodist's
+head-by-head `qkv` is a stride within a shard that its `DTensor` cannot describe. It trains right, and
+`nanodist.state.full_tensor` gathers it by hand (the table's FSDP2 rows), but `torch.distributed.checkpoint`
+cannot write it, so nanodist refuses to checkpoint that one set-up, and says so; DDP × TP checkpoints as TP does.
 
 ## Step time: TP against DP, on this machine
 
@@ -394,10 +413,14 @@ print("\n".join(line.strip() for line in timed.lines(0) if " ms " in line or lin
 assert t["ratio_step_tp_vs_dp"] > 0 and t["ratio_step_tp_sp_vs_dp"] > 0
 glue("ratio_tp_dp", t["ratio_step_tp_vs_dp"], display=False)
 glue("ratio_sp_dp", t["ratio_step_tp_sp_vs_dp"], display=False)
+glue("tp_verdict", Markdown("did not pay here: TP's step was the slower" if t["ratio_step_tp_vs_dp"] > 1 else
+                            "paid here, which on two CPU cores is unusual: the machine had cores to spare"),
+     display=False)
 """, MACHINE)
 
 code(r"""
 sent = t["bytes_per_step"]  # from the formulas, for the run's model and batch
+assert sent["tp"] > sent["dp"]
 glue("dp_kib", sent["dp"] / 1024, display=False)
 glue("tp_kib", sent["tp"] / 1024, display=False)
 glue("tp_over_dp_bytes", sent["tp"] / sent["dp"], display=False)
@@ -409,12 +432,13 @@ Table([{"set-up": "DP: the fp32 gradients, once a step", "bytes each rank sends 
 md(r"""
 {glue:md}`prov_time`
 
-Here TP's step took {glue:text}`ratio_tp_dp:.2f` times DP's, and TP + SP's {glue:text}`ratio_sp_dp:.2f` times.
-The formulas say why TP does not pay on two CPU cores: DP sends the model's gradients once a step,
-{glue:text}`dp_kib:.0f` KiB from each rank; TP sends the activations four times a block,
-{glue:text}`tp_kib:.0f` KiB, {glue:text}`tp_over_dp_bytes:.1f` times as much, and in many small messages that
-each wait for the other rank in the middle of the computation, where DP's one all-reduce can overlap the
-backward. What TP bought here, less memory per rank, a small model on a laptop does not need.
+Here TP's step took {glue:text}`ratio_tp_dp:.2f` times DP's, and TP + SP's {glue:text}`ratio_sp_dp:.2f` times:
+TP {glue:md}`tp_verdict`. The formulas say why it should not pay on a laptop's cores, both set-ups going through
+the same gloo process group: DP sends the model's gradients once a step, {glue:text}`dp_kib:.0f` KiB from each
+rank, in a few large buckets that start while the backward runs; TP sends the activations four times a block,
+{glue:text}`tp_kib:.0f` KiB, {glue:text}`tp_over_dp_bytes:.1f` times as much, in many small messages, each in
+the middle of the computation, which waits for it. What TP bought here, less memory per rank, a small model on
+a laptop does not need.
 
 ## Where TP pays: Chapter 8's projections on a 2-D mesh
 
@@ -440,6 +464,7 @@ glue("fsdp_recompute_tps", plain.tokens_per_s_per_gpu, display=False)
 glue("best_tp", best.tp, display=False)
 glue("best_tps", best.tokens_per_s_per_gpu, display=False)
 glue("best_gain", 100 * (best.tokens_per_s_per_gpu / plain.tokens_per_s_per_gpu - 1), display=False)
+assert plain.fits  # FSDP alone fits only with recomputation
 Table({**p.row(), "TP comm (s)": round(p.tp_comm_s, 3)} for p in rows)
 """)
 
@@ -449,7 +474,8 @@ it fits only by recomputing every layer in the backward, a third more compute
 ({glue:text}`fsdp_recompute_tps:.0f` tokens/s per GPU). TP = {glue:text}`best_tp` with SP divides the
 activations and fits without recomputing: {glue:text}`best_tps:.0f` tokens/s per GPU, {glue:text}`best_gain:.0f` %
 more, after paying for its collectives on NVLink. Beyond that TP costs more than it saves: at TP = 8 each GPU's
-matmuls shrink while the all-reduces do not, and the projection falls to {glue:text}`tp8_tps:.0f` tokens/s per GPU.
+matmuls shrink while its collectives do not, and the projection falls to {glue:text}`tp8_tps:.0f` tokens/s per
+GPU.
 
 The second place TP pays is a global batch with fewer sequences than GPUs. Data parallelism cannot give a
 GPU less than one sequence; a data-parallel rank of $n$ GPUs can share one:
@@ -489,7 +515,7 @@ exercise(
     "How many all-reduces does a block make in the two directions together, of what size, and what does a ring "
     "make each rank send of one?",
     "# 4 all-reduces of S = 1 x 4096 x 4096 x 2 bytes, each 2 (8 - 1) / 8 of S per GPU\n"
-    "answer = round(4 * 2 * 7 / 8 * 4096 * 4096 * 2)   # about 117 MB for every block of every micro-batch",
+    "answer = round(4 * 2 * 7 / 8 * 4096 * 4096 * 2)   # about 235 MB for every block of every micro-batch",
 )
 
 exercise(
@@ -528,8 +554,9 @@ md(r"""
   split with a loss that never gathers the logits. They equal one process and torch's `parallelize_module` at
   TP = 1, 2 and 4, within a stated $10^{-5}$ that a planted $10^{-3}$ error fails.
 - TP divides the weights and the activations between its layers, but not the norms' and the layers' inputs;
-  sequence parallelism divides those along the sequence, for one more pair of all-gathers in the backward:
-  measured and formula agree to the byte.
+  sequence parallelism divides those along the sequence, for one more pair of all-gathers in the backward and a
+  small all-reduce per replicated parameter. The bytes sent and the activations kept, counted in the run, equal
+  the formulas' to the byte.
 - Dropout: the same masks where the activations are replicated, a rank's own where they are split, and
   recomputable either way.
 - TP does not pay on a laptop (here {glue:text}`ratio_tp_dp:.2f` times DP's step): it sends the activations four
