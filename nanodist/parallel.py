@@ -44,33 +44,36 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     2-norm, and return that norm (before clipping) as a plain tensor, the same on every rank. A plain gradient, and
     a DTensor's Replicate placement, count once (every rank of that dimension holds the same values); a Shard
     placement's squares are summed over its mesh dimension's ranks; a Partial one (a sum still pending) is refused.
-    A collective over every mesh dimension a gradient is sharded on: call it on every rank, with the same
-    parameters in the same order. Where torch.nn.utils.clip_grad_norm_ refuses DTensor and plain gradients mixed,
-    or DTensors on different meshes (tensor parallelism beside replicated layers), this is the norm to use."""
+    A collective over every mesh dimension a parameter is sharded on: call it on every rank, with the same
+    parameters in the same order. The collectives follow the parameters, not their gradients, so a rank whose
+    gradient is missing (counted as zeros) still joins them. Where torch.nn.utils.clip_grad_norm_ refuses DTensor
+    and plain gradients mixed, or DTensors on different meshes (tensor parallelism beside replicated layers), this
+    is the norm to use. The squares are taken in one foreach launch per device, as torch's clip_grad_norm_ does."""
     import torch.distributed as dist
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
     locals_, plain, sharded = [], [], {}  # sharded: (mesh, dims) -> squares, one all-reduce per kind of layout
-    for g in grads:
-        if is_dtensor(g):
-            if any(pl.is_partial() for pl in g.placements):
-                raise ValueError(f"clip_grad_norm_: a gradient with placements {g.placements} holds a pending sum "
-                                 f"(Partial): redistribute it to Shard or Replicate first")
-            local = g.to_local()
-            # sharded: anything not replicated (Shard, and FSDP2 x TP's _StridedShard, which is no Shard in torch 2.13)
-            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            sharded.setdefault((id(g.device_mesh), dims), (g.device_mesh, dims, []))[2].append(local)
-        else:
-            local = g
-            plain.append(g)
-        locals_.append(local)
-    device = locals_[0].device
-    total = torch.zeros((), device=device, dtype=torch.float32)
-    for g in plain:
-        total += g.detach().float().pow(2).sum().to(device)
-    for mesh, dims, parts in sharded.values():
-        sq = torch.stack([t.detach().float().pow(2).sum().to(device) for t in parts]).sum()
+    for p in params:
+        g = p.grad
+        if not is_dtensor(p) and not is_dtensor(g):
+            if g is not None:
+                plain.append(g)
+                locals_.append(g)
+            continue
+        layout = g if g is not None else p
+        if any(pl.is_partial() for pl in layout.placements):
+            raise ValueError(f"clip_grad_norm_: a gradient with placements {layout.placements} holds a pending sum "
+                             f"(Partial): redistribute it to Shard or Replicate first")
+        # sharded: anything not replicated (Shard, and FSDP2 x TP's _StridedShard, which is no Shard in torch 2.13)
+        dims = tuple(i for i, pl in enumerate(layout.placements) if not pl.is_replicate())
+        entry = sharded.setdefault((id(layout.device_mesh), dims), (layout.device_mesh, dims, [], p.to_local().device))
+        if g is not None:
+            entry[2].append(g.to_local())
+            locals_.append(g.to_local())
+    if not locals_ and not sharded:
+        return torch.zeros(())
+    device = locals_[0].device if locals_ else next(iter(sharded.values()))[3]
+    total = _squares(plain, device)
+    for mesh, dims, parts, _ in sharded.values():
+        sq = _squares(parts, device)
         for d in dims:  # the squares of a shard, summed over the ranks of each dimension it is sharded on
             group = Group.of(mesh.get_group(d))
             on = sq.to(group.comm_device)
@@ -83,6 +86,18 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
         for local in locals_:
             local.detach().mul_(coef.to(local.device, local.dtype))
     return norm
+
+
+def _squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """The sum of the squares of every element of `tensors` (fp32), on `device`: one foreach norm per device."""
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t.detach())
+    for ts in by_device.values():
+        norms = torch._foreach_norm(ts, 2, dtype=torch.float32)
+        total += torch.stack(norms).pow(2).sum().to(device)
+    return total
 
 
 def _local_clip(params, max_norm: float) -> torch.Tensor:

@@ -83,6 +83,27 @@ def test_a_planted_error_on_one_ranks_shard_is_caught():
     assert all(abs(o["got"] - o["want"]) > 10 * TOL * o["want"] for o in outs), outs
 
 
+def missing_worker(rank, W):
+    """Rank 1 has no gradients at all (a user's bug, or a step where its copy of a layer went unused): the norm's
+    collectives follow the parameters, so it still joins them and nobody hangs; its missing pieces count as zeros."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from nanodist.parallel import clip_grad_norm_
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("tensor",))
+    whole = _whole()[0]
+    p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(whole), mesh, [Shard(0)], src_data_rank=None))
+    if rank == 0:
+        p.grad = distribute_tensor(whole.clone(), mesh, [Shard(0)], src_data_rank=None)
+    return float(clip_grad_norm_([p], math.inf)), float(whole.chunk(W)[0].norm())
+
+
+def test_a_rank_without_gradients_still_joins_the_norms_collectives():
+    outs = spawn(missing_worker, 2, timeout=60)
+    for got, rank0_piece in outs:
+        assert abs(got - rank0_piece) <= TOL * rank0_piece, outs  # the same on both ranks: rank 0's piece alone
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("W", [1, 2])

@@ -209,8 +209,9 @@ def mlp_worker(rank, W):
 
 
 @numerical
-def test_an_mlp_split_by_nanodist_equals_torchs_parallelize_module():
-    for out in spawn(mlp_worker, 2, timeout=120):
+@pytest.mark.parametrize("W", [2, 4])
+def test_an_mlp_split_by_nanodist_equals_torchs_parallelize_module(W):
+    for out in spawn(mlp_worker, W, timeout=120):
         assert out["out"] <= TOL and out["dx"] <= TOL, out  # the same matmuls; sums may meet in another order
         assert all(d <= TOL for d in out["grads"].values()), out
 
@@ -306,3 +307,33 @@ def test_sequence_parallelism_names_a_length_that_does_not_divide_and_refuses_to
     for short, generate in spawn(short_sequence_worker, 2, timeout=120):
         assert "T = 15, not a multiple of 2" in short and "seq_len" in short, short
         assert "splits each sequence" in generate and "one process" in generate, generate
+
+
+def autocast_worker(rank, W):
+    """SP under CPU bf16 autocast: the fused gather casts the shard before it travels and stays (half the bytes of
+    fp32 activations), the gradients come back in the parameters' dtype, and the loss is one process's to bf16's
+    precision."""
+    import nanodist as nd
+    from nanodist.state import full_tensor
+    from nanodist.tp import record_traffic, tensor_parallel
+    plain, model = gpt(), tensor_parallel(gpt(), nd.Group.world(), sequence=True)
+    x, y = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with record_traffic() as sent:
+            _, loss = model(x, y)
+        _, want = plain(x, y)
+    loss.backward()
+    want.backward()
+    gathers = sorted({s.nbytes for s in sent if s.what == "SP f: all-gather of the sequence"})
+    grads = [(full_tensor(p.grad), q.grad) for p, q in zip(model.parameters(), plain.parameters())]
+    return {"loss": (float(loss.detach()), float(want.detach())), "gathers": gathers,
+            "dtypes": sorted({str(g.dtype) for g, _ in grads}),
+            "worst": max(float((g - w).abs().max()) / max(float(w.abs().max()), 1e-3) for g, w in grads)}
+
+
+def test_sequence_parallelism_under_bf16_autocast():
+    for out in spawn(autocast_worker, 2, timeout=120):
+        got, want = out["loss"]
+        assert abs(got - want) <= 2e-2 * want, out  # bf16's 8 bits of mantissa, summed in other orders
+        assert out["gathers"] == [B * T * 64 * 2], out  # the whole (B, T, C) gathered in bf16: 2 bytes a value
+        assert out["dtypes"] == ["torch.float32"] and out["worst"] <= 5e-2, out

@@ -4,6 +4,8 @@ identity. Trained on a 2 x 2 mesh (FSDP2 on the data dimension x TP on the tenso
 where the gradients are DTensors beside plain ones and the norm must be the placement-aware one), the run equals
 one process training on the whole batch: losses, global gradient norms and parameters. A model like users' own: a
 tied embedding and head, a frozen parameter, a buffer, a bare nn.Parameter."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,8 @@ from torch import nn
 
 from nanodist.testing import spawn
 
-pytestmark = [pytest.mark.dist, pytest.mark.numerical]  # fp32 sums in another order: the second kernel path too
+pytestmark = pytest.mark.dist
+numerical = pytest.mark.numerical  # fp32 sums in another order: the second kernel path too (not the refusals)
 V, D, T, MICRO, STEPS = 32, 16, 8, 2, 3
 # fp32, the same arithmetic split differently (row-parallel partial sums, sharded squares of the norm): a few
 # roundings of values of O(1), ~1e-7 relative; 1e-5 leaves a margin of 100. A rank's loss scaled by 1.001 moves the
@@ -143,6 +146,7 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+@numerical
 @pytest.mark.parametrize("W,shape", [(4, (2, 2)), (2, (1, 2))], ids=["2x2-fsdp2-tp", "1x2-tp"])
 def test_a_mesh_trains_as_one_process(W, shape):
     outs = spawn(mesh_worker, W, args=(shape,), timeout=300)
@@ -164,6 +168,7 @@ def test_a_mesh_trains_as_one_process(W, shape):
         assert rel(mean, ref["ref_rows"][step][0]) <= TOL, (step, mean, ref["ref_rows"][step][0])
 
 
+@numerical
 def test_a_planted_error_on_one_rank_is_caught():
     outs = spawn(mesh_worker, 4, args=((2, 2),), kwargs={"planted": True}, timeout=300)
     norm, want = outs[0]["rows"][0][1], outs[0]["ref_rows"][0][1]
@@ -219,9 +224,9 @@ def checkpoint_worker(rank, W, directory, fmt, kind="net", shape=(2, 2)):
     return out
 
 
-@pytest.mark.parametrize("fmt,kind,shape", [("sharded", "net", (2, 2)), ("full", "net", (2, 2)),
-                                            ("sharded", "gpt", (1, 2)), ("full", "gpt", (1, 2)),
-                                            ("sharded", "gpt-ddp", (2, 2))],
+@pytest.mark.parametrize("fmt,kind,shape", [  # the one-process comparison on the second kernel path: once per kind
+    pytest.param("sharded", "net", (2, 2), marks=numerical), ("full", "net", (2, 2)),
+    pytest.param("sharded", "gpt", (1, 2), marks=numerical), ("full", "gpt", (1, 2)), ("sharded", "gpt-ddp", (2, 2))],
                          ids=["2x2-torch-tp-sharded", "2x2-torch-tp-full", "tp2-nanodist-sharded", "tp2-nanodist-full",
                               "2x2-nanodist-ddp-nanodist-tp-sharded"])
 def test_a_checkpoint_on_a_mesh_resumes_exactly_and_loads_in_one_process(fmt, kind, shape, tmp_path):
@@ -232,6 +237,44 @@ def test_a_checkpoint_on_a_mesh_resumes_exactly_and_loads_in_one_process(fmt, ki
         assert out["straight"][2:] == out["resumed"], out  # bit for bit: the same steps, the same arithmetic
     alone, want = outs[0]["alone"], outs[0]["straight"][2:]
     assert len(alone) == 2 and all(rel(a, b) <= TOL for a, b in zip(alone, want)), (alone, want)
+
+
+def reverse_worker(rank, W, directory):
+    """The reverse of the test above: a one-process run of the course's GPT saves a checkpoint after 2 steps; a TP = 2
+    run resumes from it and takes the last 2 steps; so does the one-process run, straight on."""
+    import nanodist as nd
+    from nanodist.checkpoint import CheckpointManager
+    from nanodist.train import Trainer
+    mesh = nd.Group.world().mesh({"data": 1, "tensor": W})
+
+    def trainer(model, steps, **kw):
+        cfg = config(MICRO, 1)
+        cfg.steps, cfg.checkpoint_every = steps, 2
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return Trainer(model, opt, Batches(0, MICRO, MICRO), cfg, **kw)
+
+    out = {}
+    if rank == 0:
+        alone = trainer(gpt(), 4, group=nd.Group.local(),
+                        checkpoints=CheckpointManager(directory, format="sharded", group=nd.Group.local()))
+        alone.fit()
+        out["alone"] = [h["grad_norm"] for h in alone.history[2:]]
+    nd.Group.world().barrier()
+    split = trainer(parallel_gpt(mesh), 4, mesh=mesh)
+    resumed = CheckpointManager(directory, format="sharded").resume(split, Path(directory) / "step_00000002")
+    split.fit()
+    out["split"] = [h["grad_norm"] for h in split.history]
+    out["from"] = resumed is not None and resumed.name
+    return out
+
+
+@numerical
+def test_a_one_process_checkpoint_resumes_at_tp_2(tmp_path):
+    outs = spawn(reverse_worker, 2, args=(str(tmp_path),), timeout=300)
+    want = outs[0]["alone"]
+    for out in outs:
+        assert out["from"] == "step_00000002" and len(out["split"]) == 2, out
+        assert all(rel(a, b) <= TOL for a, b in zip(out["split"], want)), (out["split"], want)
 
 
 def test_fsdp2_over_nanodist_tp_refuses_to_checkpoint_with_the_reason(tmp_path):
@@ -323,6 +366,7 @@ def gpt_mesh_worker(rank, W, shape, sequence=False, data="fsdp2"):
     return out
 
 
+@numerical
 @pytest.mark.parametrize("W,shape,sequence,data", [(2, (1, 2), False, "-"), (4, (2, 2), False, "fsdp2"),
                                                    (4, (2, 2), True, "fsdp2"), (4, (2, 2), False, "ddp"),
                                                    (4, (2, 2), True, "ddp")],

@@ -16,7 +16,7 @@ Data parallelism in all its forms (Chapters 3–5) gives every GPU whole layers 
 micro-batch. When one layer's activations at the sequence length you need no longer fit, or when the global
 batch has fewer sequences than you have GPUs, data parallelism has nothing left to split. The next step,
 taken by Megatron-LM {cite}`shoeybi2019megatron` and described in the Ultra-Scale Playbook
-{cite}`tazi2025playbook`, is to split each layer's matrices across GPUs: **tensor parallelism** (TP).
+{cite}`tazi2025playbook`, is to split each layer's matrices across GPUs: {term}`tensor parallelism` (TP).
 
 By the end of the chapter you will be able to:
 - split a linear layer by columns or by rows and say what each costs in communication;
@@ -25,7 +25,7 @@ By the end of the chapter you will be able to:
 - read nanodist's column- and row-parallel layers, its split attention heads and its vocabulary-parallel loss,
   and check them against one process and against torch's `parallelize_module`;
 - count the bytes one block sends and the activations it keeps, against the formulas, with and without
-  **sequence parallelism** (SP);
+  {term}`sequence parallelism` (SP);
 - put TP and data parallelism on a 2-D mesh, and keep dropout right across it;
 - say when TP pays: not on a laptop's two cores, and where on a real cluster.
 
