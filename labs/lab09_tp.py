@@ -257,6 +257,17 @@ def timed(args, cfg, data, group):
                                                                                   sequence=True), W)}
     nd.print0("bytes each rank sends per step (formulas): " + ", ".join(f"{k} {v / 1024:.0f} KiB"
                                                                        for k, v in bytes_per_step.items()))
+    # and how many collectives each issues a step: DDP one per bucket and one of its control numbers; TP's counted
+    # over one more forward and backward of each split model (after the timed steps)
+    calls = {"dp": len(runs["DP (nanodist DDP)"].model.buckets) + 1}
+    x, y = next(runs[f"TP = {W}"].train)
+    for key, name in (("tp", f"TP = {W}"), ("tp_sp", f"TP = {W} + SP")):
+        raw = runs[name].raw
+        with nd.record_traffic() as issued:
+            raw(x, y)[1].backward()
+        raw.zero_grad(set_to_none=True)
+        calls[key] = len(issued)
+    nd.print0("collectives per step: " + ", ".join(f"{k} {v}" for k, v in calls.items()))
     dp = out["DP (nanodist DDP)"]["median_step_s"]
     ratios = {f"ratio_step_{'tp_sp' if 'SP' in name else 'tp'}_vs_dp": r["median_step_s"] / dp
               for name, r in out.items() if name.startswith("TP")}
@@ -265,7 +276,8 @@ def timed(args, cfg, data, group):
                   f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
     for k, v in ratios.items():
         nd.print0(f"{k}: {v:.2f}")
-    return {"runs": out, **ratios, "world_size": W, "params": params, "bytes_per_step": bytes_per_step}
+    return {"runs": out, **ratios, "world_size": W, "params": params, "bytes_per_step": bytes_per_step,
+            "collectives_per_step": calls}
 
 
 def main():

@@ -730,7 +730,7 @@ def tensor_parallel_block(sequence: bool = False, ranks: int = 2, ax=None):
     ax.set_xlim(-0.1, 11.6)
     ax.set_ylim(low - 1.1, top + 0.1)
     ax.set_title("sequence parallelism: f and g move the sequence" if sequence else
-                 "tensor parallelism: one all-reduce forward (g), one backward (f)")
+                 "tensor parallelism, the MLP: one all-reduce forward (g), one backward (f)")
     ax.axis("off")
     return ax
 

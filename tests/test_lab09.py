@@ -41,6 +41,10 @@ def test_lab09_proves_its_set_ups_and_measures_them(tmp_path):
     tp, sp = runs["TP = 2"]["losses"], runs["TP = 2 + SP"]["losses"]
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(tp, sp)), (tp, sp)
     assert t["ratio_step_tp_vs_dp"] > 0 and t["bytes_per_step"]["tp"] > 0 and t["bytes_per_step"]["dp"] > 0
+    # collectives a step: TP 2 + 2 a block; SP 16 a block (4 forward, 6 + 6 backward) and 4 around the blocks (the
+    # final gather, the split's gradient, the final norm's weight and bias); DDP one a bucket and its control numbers
+    calls = t["collectives_per_step"]
+    assert (calls["tp"], calls["tp_sp"]) == (2 * 4, 2 * 16 + 4) and calls["dp"] >= 2, calls
 
 
 @pytest.mark.parametrize("args, message", [

@@ -70,7 +70,9 @@ over $n$ ranks in one of two ways:
   $X_r$ of $X$'s columns. Each product is a *partial sum* of $Y$: $Y = \sum_r X_r W_{:,r}^\top$. The ranks
   add them up with an all-reduce. This is a **row-parallel** layer.
 
-In one process, with two "ranks" as two slices:
+(The names are Megatron's, who writes $Y = XA$ with $A = W^\top$: a column-parallel layer splits $A$'s columns,
+which are $W$'s rows; a row-parallel one splits $A$'s rows, $W$'s columns.) In one process, with two "ranks" as
+two slices:
 """)
 
 code(r"""
@@ -137,7 +139,7 @@ state and the global gradient norm see whole tensors: a TP = 2 checkpoint loads 
 Two parts of the course's GPT need care:
 
 - **the fused `qkv` layer** holds $W_q$, $W_k$ and $W_v$ stacked. Cutting its rows in $n$ plain slabs would give
-  rank 0 all of $q$ and part of $k$. `ColumnParallelLinear(..., split=3)` cuts each of the three in $n$ and gives
+  rank 0, at TP = 2, all of $q$ and half of $k$. `ColumnParallelLinear(..., split=3)` cuts each of the three in $n$ and gives
   rank $r$ the stack $[q_r; k_r; v_r]$ (torch calls this placement `_StridedShard`), so the attention's
   `chunk(3)` finds this rank's heads. The attention infers its number of heads from the activations, so the
   model's code does not change;
@@ -177,7 +179,8 @@ md(r"""
 
 Every gradient agrees with one process to within a relative $10^{-5}$ of its tensor's largest value. Not
 bit for bit: a row-parallel layer's all-reduce adds the partial products in another order than one matmul
-does, and each of those sums rounds differently in fp32; the largest difference of a split model here was
+does, and each of those sums rounds differently in fp32 (and the vocabulary-parallel loss computes its softmax
+by its own formula: hence a difference even at TP = 1); the largest difference of a split model here was
 {glue:text}`worst_split:.1e`, so the tolerance sits {glue:md}`tol_margin` above it. `tests/test_tp.py` plants an
 error of $10^{-3}$ (one rank's slab of one weight $\times 1.001$) and checks that the same comparison catches it. The tests run the same comparison at TP = 1, 2
 and 4, take three optimizer steps, and check that TP = 3 on a model with 4 heads stops with a message naming
@@ -233,13 +236,13 @@ chapter.predict(
     "# 4 all-reduces of S = batch x seq_len x n_embd x 4 bytes, each costing 2 (n - 1) / n = 1.5 of it per rank:\n"
     "run = four.results[\"config\"]\n"
     "S = run[\"batch\"] * run[\"seq_len\"] * nd.model.GPTConfig.preset(run[\"model\"]).n_embd * 4\n"
-    "prediction = round(4 * 1.5 * S / 2**20, 3)   # 0.75 for the tiny model: more than TP = 2's 0.5, never less",
+    "prediction = round(4 * 1.5 * S / 2**20, 3)   # 1.5 times TP = 2's: the same all-reduces, 3/4 of each x 2",
     rel_tol=0.01,
 )
 
 md(r"""
-The all-reduces do not shrink as TP grows: every rank still sends about twice the block's activations, four
-times over. That is the first reason TP stays inside a node, on NVLink, where a GPU's link is an order of
+The all-reduces do not shrink as TP grows: every rank sends $2(n-1)/n$ of the block's activations (once their
+size at TP = 2, 1.5 times at 4, approaching twice), four times over. That is the first reason TP stays inside a node, on NVLink, where a GPU's link is an order of
 magnitude faster than across nodes.
 
 ## Activation memory, and sequence parallelism
@@ -254,21 +257,24 @@ for this model):
 | saved for backward | one process | TP over $n$ | TP + SP over $n$ |
 |---|---|---|---|
 | LayerNorms' inputs, `qkv`'s and `fc`'s inputs | 4 | 4 | 4 / $n$ |
-| $q$, $k$, $v$; attention's output; GELU's input; `proj`'s input | 12 | 12 / $n$ | 12 / $n$ |
+| $q$, $k$, $v$; attention's output; GELU's input; the MLP `proj`'s input (GELU's output) | 12 | 12 / $n$ | 12 / $n$ |
 
 (Megatron's per-layer $34\,sbh + 5\,as^2b$ is in *bytes* of fp16: the same 16 values at 2 bytes each, plus two
-1-byte dropout masks, plus the attention's $s \times s$ scores, softmax and mask. This model has no dropout in the
+1-byte dropout masks, plus, per head, the attention's $s \times s$ softmax output, its dropout mask and the
+dropped-out result. This model has no dropout in the
 lab, and the fused attention kernel keeps one number per row, its log-sum-exp, instead of the scores. Those small
 terms, and each LayerNorm's mean and $1/\sigma$, are in the formula too.)
 
-**Sequence parallelism** {cite}`korthikanti2022reducing` splits the rest along the sequence. Between the blocks'
-matmuls each rank keeps $s/n$ positions of the residual stream, and the LayerNorms and dropouts run on them.
+**Sequence parallelism** {cite}`korthikanti2022reducing` splits the rest along the sequence. Outside each
+column-to-row span (from a row-parallel layer's output to the next column-parallel layer's input) each rank keeps
+$s/n$ positions of the residual stream, and the LayerNorms and dropouts run on them.
 $g$ becomes a *reduce-scatter* (sum the partial outputs and cut them along the sequence) and $f$ an
 *all-gather* of the sequence before a column-parallel layer. A ring all-reduce is a reduce-scatter followed by
-an all-gather, so the forward sends what TP sends. Backward sends one pair more: the column-parallel layer keeps
-only its shard of the input for backward (the point of SP) and gathers it again there for its weight's
-gradient. And a replicated parameter used on a shard of the positions (a LayerNorm's, a row-parallel bias) gets
-only that shard's part of its gradient: it enters through $f$, whose backward all-reduces it.
+an all-gather, so the forward sends what TP sends. Backward sends two all-gathers more, one per
+column-parallel layer: it keeps only its shard of the input for backward (the point of SP) and gathers it again
+there for its weight's gradient. And a replicated parameter used on a shard of the positions (a LayerNorm's, a
+row-parallel bias) gets only that shard's part of its gradient: nanodist passes each such parameter through an
+$f$ of its own, whose backward all-reduces its gradient (Megatron sums them all in one go after the backward).
 """)
 
 code(r"""
@@ -409,56 +415,67 @@ code(r"""
 timed = nd.launch("lab09_tp", nproc=2, echo=False, args=["--parts", "time", "--steps", "12", "--no-progress"])
 t = timed.results["metrics"]["time"]
 caption("prov_time", timed.results)
-print("\n".join(line.strip() for line in timed.lines(0) if " ms " in line or line.strip().startswith(("ratio", "bytes"))))
+print("\n".join(line.strip() for line in timed.lines(0) if " ms " in line or line.strip().startswith(("ratio", "bytes", "collectives"))))
 assert t["ratio_step_tp_vs_dp"] > 0 and t["ratio_step_tp_sp_vs_dp"] > 0
 glue("ratio_tp_dp", t["ratio_step_tp_vs_dp"], display=False)
 glue("ratio_sp_dp", t["ratio_step_tp_sp_vs_dp"], display=False)
 glue("tp_verdict", Markdown("did not pay here: TP's step was the slower" if t["ratio_step_tp_vs_dp"] > 1 else
-                            "paid here, which on two CPU cores is unusual: the machine had cores to spare"),
+                            "paid here, which is unusual for CPU ranks: the machine had cores or bandwidth to spare"),
      display=False)
+glue("sp_over_tp_step", t["ratio_step_tp_sp_vs_dp"] / t["ratio_step_tp_vs_dp"], display=False)
 """, MACHINE)
 
 code(r"""
-sent = t["bytes_per_step"]  # from the formulas, for the run's model and batch
-assert sent["tp"] > sent["dp"]
+sent, calls = t["bytes_per_step"], t["collectives_per_step"]  # bytes from the formulas; collectives counted
+assert sent["tp"] > sent["dp"] and calls["tp_sp"] > calls["tp"] > calls["dp"]
 glue("dp_kib", sent["dp"] / 1024, display=False)
 glue("tp_kib", sent["tp"] / 1024, display=False)
 glue("tp_over_dp_bytes", sent["tp"] / sent["dp"], display=False)
-Table([{"set-up": "DP: the fp32 gradients, once a step", "bytes each rank sends per step": round(sent["dp"])},
-       {"set-up": "TP: 4 all-reduces of the activations per block", "bytes each rank sends per step": round(sent["tp"])},
-       {"set-up": "TP + SP", "bytes each rank sends per step": round(sent["tp_sp"])}])
+glue("sp_over_tp_bytes", sent["tp_sp"] / sent["tp"], display=False)
+for key in ("dp", "tp", "tp_sp"):
+    glue(f"calls_{key}", calls[key], display=False)
+Table([{"set-up": "DP: the fp32 gradients, once a step", "bytes each rank sends per step": round(sent["dp"]),
+        "collectives per step": calls["dp"]},
+       {"set-up": "TP: 4 all-reduces of the activations per block", "bytes each rank sends per step": round(sent["tp"]),
+        "collectives per step": calls["tp"]},
+       {"set-up": "TP + SP", "bytes each rank sends per step": round(sent["tp_sp"]), "collectives per step": calls["tp_sp"]}])
 """)
 
 md(r"""
 {glue:md}`prov_time`
 
 Here TP's step took {glue:text}`ratio_tp_dp:.2f` times DP's, and TP + SP's {glue:text}`ratio_sp_dp:.2f` times:
-TP {glue:md}`tp_verdict`. The formulas say why it should not pay on a laptop's cores, both set-ups going through
-the same gloo process group: DP sends the model's gradients once a step, {glue:text}`dp_kib:.0f` KiB from each
-rank, in a few large buckets that start while the backward runs; TP sends the activations four times a block,
-{glue:text}`tp_kib:.0f` KiB, {glue:text}`tp_over_dp_bytes:.1f` times as much, in many small messages, each in
-the middle of the computation, which waits for it. What TP bought here, less memory per rank, a small model on
-a laptop does not need.
+TP {glue:md}`tp_verdict`. The table says why it should not pay on a laptop's cores, both set-ups going through
+the same gloo process group: DP sends the model's gradients, {glue:text}`dp_kib:.0f` KiB from each rank, in
+{glue:text}`calls_dp` collectives a step (its gradient bucket and DDP's few control numbers), as the backward
+ends; TP sends the activations four times a block, {glue:text}`tp_kib:.0f` KiB, {glue:text}`tp_over_dp_bytes:.1f`
+times as much, in {glue:text}`calls_tp` collectives, each in the middle of the computation, which waits for it.
+TP + SP sends only {glue:text}`sp_over_tp_bytes:.2f` times TP's bytes, but in {glue:text}`calls_tp_sp`
+collectives, and its step took {glue:text}`sp_over_tp_step:.1f` times TP's: between two processes here each
+collective's fixed cost weighs more than its bytes. What TP bought, less memory per rank, a small model on a
+laptop does not need.
 
 ## Where TP pays: Chapter 8's projections on a 2-D mesh
 
 `scaling.project(..., tp=n, sequence_parallel=True)` puts TP into Chapter 8's model of a step: the data-parallel
 strategy runs over $N/n$ ranks on $1/n$ of the parameters, each GPU computes $1/n$ of its rank's FLOPs, keeps the
 activations `Transformer.activation_bytes(..., tp=n)` counts, and waits for TP's collectives on the node's link
-(all of them exposed: this projection does not overlap them). Every number below is a **projection**. Llama 3
-70B with FSDP on 512 H100s (DGX nodes of 8, InfiniBand), sequences of 8,192 tokens, two per data-parallel rank a
-step:
+(all of them exposed: this projection does not overlap them). Every number below is a **projection**, with
+Chapter 8's hand-picked example values $e$ = 0.38 and $\rho$ = 1, the same at every TP size (a GPU's $1/n$-wide
+matmuls may run less efficiently; the projection does not say). Llama 3 70B with FSDP on 512 H100s (DGX nodes of
+8, InfiniBand), sequences of 8,192 tokens, a global batch of 1,024 of them (two per GPU, in micro-batches of one):
 """)
 
 code(r"""
 llama, dgx = MODELS["Llama 3 70B"], CLUSTERS["dgx-h100-ib"]
-rows = [project(llama, dgx, 512, "fsdp", 1, 2, 0.38, 1.0, recompute=recompute, tp=n, sequence_parallel=n > 1)
+rows = [project(llama, dgx, 512, "fsdp", 1, 2 * n, 0.38, 1.0, recompute=recompute, tp=n, sequence_parallel=n > 1)
         for n in (1, 2, 4, 8) for recompute in (False, True)]
 plain = [p for p in rows if p.tp == 1 and p.recompute][0]
 best = max((p for p in rows if p.fits), key=lambda p: p.tokens_per_s_per_gpu)
 tp8 = [p for p in rows if p.tp == 8 and not p.recompute][0]
 assert not rows[0].fits and best.tp > 1 and not best.recompute and tp8.tokens_per_s_per_gpu < best.tokens_per_s_per_gpu
 glue("tp8_tps", tp8.tokens_per_s_per_gpu, display=False)
+assert tp8.tokens_per_s_per_gpu > plain.tokens_per_s_per_gpu
 glue("fsdp_only_gb", rows[0].memory_GB, display=False)
 glue("fsdp_recompute_tps", plain.tokens_per_s_per_gpu, display=False)
 glue("best_tp", best.tp, display=False)
@@ -470,12 +487,13 @@ Table({**p.row(), "TP comm (s)": round(p.tp_comm_s, 3)} for p in rows)
 
 md(r"""
 With FSDP alone a sequence of 8,192 tokens needs {glue:text}`fsdp_only_gb:.0f` GB of activations and states per GPU:
-it fits only by recomputing every layer in the backward, a third more compute
+it fits (by this count, with no headroom for the allocator) only by recomputing every layer in the backward, a
+third more compute
 ({glue:text}`fsdp_recompute_tps:.0f` tokens/s per GPU). TP = {glue:text}`best_tp` with SP divides the
 activations and fits without recomputing: {glue:text}`best_tps:.0f` tokens/s per GPU, {glue:text}`best_gain:.0f` %
-more, after paying for its collectives on NVLink. Beyond that TP costs more than it saves: at TP = 8 each GPU's
-matmuls shrink while its collectives do not, and the projection falls to {glue:text}`tp8_tps:.0f` tokens/s per
-GPU.
+more, after paying for its collectives on NVLink. TP = 8 frees memory that is no longer needed and pays more for
+collectives: {glue:text}`tp8_tps:.0f` tokens/s per GPU, above FSDP with recomputation but below TP =
+{glue:text}`best_tp`.
 
 The second place TP pays is a global batch with fewer sequences than GPUs. Data parallelism cannot give a
 GPU less than one sequence; a data-parallel rank of $n$ GPUs can share one:
@@ -493,14 +511,16 @@ for sequences in (2048, 1024, 512):
                  "with TP": with_tp.row()["strategy"] + (" + recompute" if with_tp.recompute else ""),
                  "tokens/s/GPU ": round(with_tp.tokens_per_s_per_gpu)})
 assert rows[-1]["data parallelism only"].startswith("none")
+assert len({r["with TP"] for r in rows}) == 1  # one set-up for every batch: the text says so
 Table(rows)
 """)
 
 md(r"""
 On 1,024 GPUs a batch of 512 sequences leaves data parallelism with nothing to give half of the GPUs; with TP a
-data-parallel rank is several GPUs and the batch spreads over all of them. That is how the largest runs keep a
-global batch they can train with while adding GPUs: TP inside the node (up to its 8 GPUs, on NVLink), pipeline
-parallelism across a few nodes (the next chapter), data parallelism over the rest.
+data-parallel rank is several GPUs and the batch spreads over all of them. (For this model the TP column is the
+same set-up at every batch: memory chose it already.) The largest published runs combine it so, for instance
+Llama 3's 405B {cite}`grattafiori2024llama3`: TP inside the node (its 8 GPUs, on NVLink), pipeline parallelism
+across nodes (the next chapter), data parallelism over the rest.
 
 ## Exercises
 """)
@@ -520,26 +540,26 @@ exercise(
 
 exercise(
     "9.4",
-    "Sequence parallelism over $n$ ranks: a LayerNorm's weight and bias are replicated, yet their gradients need an "
-    "all-reduce, where plain TP needs none. For one block of the course's GPT (two LayerNorms with biases, two "
-    "row-parallel layers with biases), how many such parameter-gradient all-reduces does SP add per backward? "
-    "(An integer.)",
-    "6",
+    "Sequence parallelism makes some replicated parameters' gradients need an all-reduce, where plain TP needs none; "
+    "nanodist gives each such parameter an all-reduce of its own. A Llama-style block has RMSNorms (a weight, no "
+    "bias) and linear layers without biases. How many such all-reduces does one of its blocks add per backward "
+    "under SP? (An integer.)",
+    "costmodel.tensor_parallel_traffic(1, 8, 8, 2, sequence=True, bias=False)[('backward', 'all-reduce', 8 * 4)]",
     "answer = ...  # all-reduces of replicated parameters' gradients, one block, one backward",
-    "Which replicated parameters does SP apply to only this rank's positions?",
-    "answer = 6   # ln1 and ln2: weight and bias each (4); the two row-parallel biases, added after the reduce-scatter (2)",
+    "Which of the block's parameters are replicated, and used on only this rank's positions under SP?",
+    "answer = 2   # the two norms' weights; no biases to add after the reduce-scatters",
 )
 
 exercise(
     "9.5",
-    "With the projections above (Llama 3 70B, FSDP, 512 H100s, two sequences per data-parallel rank, "
+    "With the projections above (Llama 3 70B, FSDP, 512 H100s, a global batch of 1,024 sequences, "
     "$e$ = 0.38, $\\rho$ = 1), what is the smallest TP size among 1, 2, 4 and 8 at which the model fits "
     "*without* recomputation and *without* sequence parallelism? (An integer.)",
-    "next(n for n in (1, 2, 4, 8) if project(llama, dgx, 512, 'fsdp', 1, 2, 0.38, 1.0, tp=n).fits)",
+    "next(n for n in (1, 2, 4, 8) if project(llama, dgx, 512, 'fsdp', 1, 2 * n, 0.38, 1.0, tp=n).fits)",
     "answer = ...  # the TP size",
-    "`project(..., tp=n)` without `sequence_parallel=True` keeps the norms' and the layers' inputs whole; loop "
-    "over the sizes and read `.fits`.",
-    "answer = next(n for n in (1, 2, 4, 8) if project(llama, dgx, 512, \"fsdp\", 1, 2, 0.38, 1.0, tp=n).fits)",
+    "Without SP, 8 h values per token and layer stay whole on every GPU (the norms' and the layers' inputs): "
+    "estimate them for 80 layers of 8,192 tokens at 2 bytes, and what is left of 80 GB for the rest.",
+    "answer = next(n for n in (1, 2, 4, 8) if project(llama, dgx, 512, \"fsdp\", 1, 2 * n, 0.38, 1.0, tp=n).fits)",
 )
 
 md(r"""
@@ -554,14 +574,14 @@ md(r"""
   split with a loss that never gathers the logits. They equal one process and torch's `parallelize_module` at
   TP = 1, 2 and 4, within a stated $10^{-5}$ that a planted $10^{-3}$ error fails.
 - TP divides the weights and the activations between its layers, but not the norms' and the layers' inputs;
-  sequence parallelism divides those along the sequence, for one more pair of all-gathers in the backward and a
-  small all-reduce per replicated parameter. The bytes sent and the activations kept, counted in the run, equal
-  the formulas' to the byte.
+  sequence parallelism divides those along the sequence, for two more all-gathers in the backward and a small
+  all-reduce per replicated parameter. The bytes sent and (on a CPU) the activations kept, counted in the run,
+  equal the formulas' to the byte.
 - Dropout: the same masks where the activations are replicated, a rank's own where they are split, and
   recomputable either way.
-- TP does not pay on a laptop (here {glue:text}`ratio_tp_dp:.2f` times DP's step): it sends the activations four
-  times a block. It pays inside a fast node, for models whose activations do not fit or whose global batch has
-  fewer sequences than the GPUs: the 2-D mesh, TP inside the node and data parallelism across nodes.
+- On a laptop TP {glue:md}`tp_verdict` ({glue:text}`ratio_tp_dp:.2f` times DP's step): it sends the activations
+  four times a block. It pays inside a fast node, for models whose activations do not fit or whose global batch
+  has fewer sequences than the GPUs: the 2-D mesh, TP inside the node and data parallelism across nodes.
 """)
 
 chapter.write("09_tensor_parallel.ipynb")
