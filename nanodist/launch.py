@@ -75,7 +75,8 @@ class LaunchTimeout(LaunchError):
     says where each rank's main thread was, and .output holds the whole dumps."""
 
 
-STACK_DUMP_S = 2.0  # how long a timed-out launch waits for its ranks' stack dumps before it kills them
+STACK_DUMP_S = 6.0  # the longest a timed-out launch waits for its ranks' stack dumps before it kills them
+STACK_QUIET_S = 0.5  # once every signalled rank has begun its dump: this long without a line from any ends the wait
 _THREAD_HEAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
@@ -132,32 +133,45 @@ def _real_rank(p: psutil.Process) -> psutil.Process:
 
 def _dump_stacks(procs: list[psutil.Process], lines: queue.Queue, output: list[str]) -> str:
     """Ask every rank for its threads' stacks (SIGUSR1: faulthandler, which nanodist.init() registers), collect
-    what they print for STACK_DUMP_S, and say where each rank's main thread was (its innermost frames)."""
+    what they print, and say where each rank's main thread was (its innermost frames)."""
     ranks = _workers(procs)
-    for p in ranks.values():
+    signalled = []
+    for r, p in ranks.items():
         # a warm rank's client passes SIGUSR1 on to the rank it stands for: that one must catch it
         if _catches_sigusr1(p) and _catches_sigusr1(_real_rank(p)):
             try:
                 p.send_signal(signal.SIGUSR1)
+                signalled.append(r)
             except psutil.Error:
                 pass
     if not ranks:
         return ""
+    # Wait for the dumps: until every rank signalled has printed some of its own and the output has been quiet
+    # for STACK_QUIET_S, or STACK_DUMP_S at most (a loaded machine: the dumps reach us through torchrun's tailing
+    # of each rank's log file, which polls).
     first = len(output)
-    end = time.monotonic() + STACK_DUMP_S
-    while time.monotonic() < end:
+    begun: set[int] = set()
+    start = last = time.monotonic()
+    while time.monotonic() - start < STACK_DUMP_S:
+        if begun >= set(signalled) and time.monotonic() - last > STACK_QUIET_S:
+            break
         try:
             line = lines.get(timeout=0.1)
         except queue.Empty:
             continue
         if line is not None:
             output.append(line)
+            last = time.monotonic()
+            begun.update(r for r, text in _rank_pieces(line) if "File \"" in text or "most recent call" in text)
     where = stacks_from_output(output[first:])
     spied = _py_spy(ranks, output)
-    said = [f"  rank {r}: " + (" <- ".join(where[r][:4]) if r in where else "(no stack: it had not called "
-                                                                              "nanodist.init() -- not signalled -- or "
-                                                                              "did not answer)")
-            for r in sorted(ranks)]
+
+    def no_stack(r: int) -> str:
+        if r not in signalled:
+            return "(no stack: it does not catch SIGUSR1 -- it had not called nanodist.init() -- so it was not asked)"
+        return f"(no stack: asked, it printed none within {STACK_DUMP_S:g} s)"
+
+    said = [f"  rank {r}: " + (" <- ".join(where[r][:4]) if r in where else no_stack(r)) for r in sorted(ranks)]
     return ("\nWhere each rank was (its main thread, innermost frame first; every thread's stack is in .output"
             + (", and py-spy's dump of each rank" if spied else "") + "):\n" + "\n".join(said))
 
@@ -189,17 +203,42 @@ def _py_spy(ranks: dict[int, psutil.Process], output: list[str]) -> bool:
     return got
 
 
+_HEADER = re.compile(r"\[rank(\d+)\]:")
+_DUMP_LINE_START = re.compile(r'  File "|Current thread 0x|Thread 0x')  # faulthandler's first write of a line
+
+
+def _rank_pieces(line: str) -> list[tuple[int, str]]:
+    """A line of a launch's output as (rank, text) pieces. torchrun tails each rank's log file and writes what
+    each read returns behind the rank's header: a read that met a line half written (faulthandler writes a
+    frame's line in several writes) gives a piece with no end of line, so the rest of that line -- or another
+    rank's line -- follows it, each behind its own header, on the same output line. A line that does not start
+    with a header is no rank's."""
+    heads = list(_HEADER.finditer(line))
+    if not heads or heads[0].start() != 0:
+        return []
+    return [(int(h.group(1)), line[h.end():heads[i + 1].start() if i + 1 < len(heads) else len(line)])
+            for i, h in enumerate(heads)]
+
+
 def stacks_from_output(lines: list[str]) -> dict[int, list[str]]:
     """From faulthandler dumps in a launch's output ([rankN]:-prefixed lines): each rank's main thread, as
     "file:line function", innermost first. The main thread is the one whose outermost frame is not a thread's
     start (threading.py's _bootstrap): faulthandler's "Current thread" is whichever thread took the signal, and
     CPython lists the threads newest first, so the main one last."""
     threads: dict[int, list[list[str]]] = {}
-    for line in lines:
-        m = _PREFIX.match(line)
-        if m is None:
-            continue
-        rank, text = int(m.group(1)), line[m.end():]
+    pieces: dict[int, str] = {}  # a rank's last piece that was no whole line of a dump
+    for rank, text in (piece for line in lines for piece in _rank_pieces(line)):
+        if not (_THREAD_HEAD.search(text) or _FRAME.search(text)):
+            joined = pieces.pop(rank, "") + text
+            if not (_THREAD_HEAD.search(joined) or _FRAME.search(joined)):
+                # keep what may be the start of a dump's line, for the rest to join
+                kept = next((t for t in (joined, text) if _DUMP_LINE_START.match(t) and len(t) < 4096), None)
+                if kept is not None:
+                    pieces[rank] = kept
+                continue
+            text = joined
+        else:
+            pieces.pop(rank, None)
         if _THREAD_HEAD.search(text):
             threads.setdefault(rank, []).append([])
             continue

@@ -72,11 +72,11 @@ def test_a_timeout_says_where_each_rank_was(tmp_path):
     """Before the kill, every rank dumps its threads' stacks (faulthandler on SIGUSR1, registered by
     nanodist.init); the message names each rank's innermost frames: the one stuck in Python, the others in the
     barrier it never reached. py-spy's dumps join them where py-spy can read the ranks."""
-    from nanodist.launch import stacks_from_output
+    from nanodist.launch import STACK_DUMP_S, stacks_from_output
     t0 = time.monotonic()
     with pytest.raises(nd.LaunchTimeout) as e:
         nd.launch(SCRIPTS / "hang_one_rank.py", nproc=3, timeout=10, echo=False, env={"NANODIST_TIMEOUT": "120"})
-    assert time.monotonic() - t0 < 10 + 2 + 10 + 10  # the timeout, the dumps, py-spy, the kill
+    assert time.monotonic() - t0 < 10 + STACK_DUMP_S + 10 + 10  # the timeout, the dumps, py-spy, the kill
     msg = str(e.value)
     assert re.search(r"rank 1: hang_one_rank\.py:\d+ stuck_in_python <- hang_one_rank\.py:\d+ <module>", msg), msg
     for r in (0, 2):
@@ -100,6 +100,27 @@ def test_stacks_are_read_from_faulthandlers_dumps():
              '[rank1]:  File "/x/h.py", line 5 in stuck',
              "[rank2]:nothing of faulthandler's"]
     assert stacks_from_output(lines) == {0: ["train.py:10 step", "train.py:20 <module>"], 1: ["h.py:5 stuck"]}
+
+
+def test_stacks_survive_lines_that_torchrun_split():
+    """torchrun tails each rank's log file and writes each read behind the rank's header: a read that meets a
+    dump half written leaves the line's start on one output line, with the next piece -- its rest, or another
+    rank's line -- behind its own header. The pieces of a rank are joined again; nothing is given to the wrong
+    rank."""
+    from nanodist.launch import stacks_from_output
+    lines = ['[rank1]:Thread 0x00007f03 (most recent call first):',
+             '[rank1]:  File "/x/h.py", line 5 in stuck',
+             '[rank1]:  File "/x/h.py[rank0]:Current thread 0x00007f01 (most recent call first):',  # rank 1 cut
+             '[rank0]:  File "/x/train.py", line 10 in step',
+             '[rank1]:", line 7 in outer',  # rank 1's rest
+             '[rank0]:  File "/x/tr[rank0]:ain.py", line 20 in <module>',  # cut and continued at once
+             '[rank1]:  File "/x/h.py", line 9 in <module>',
+             '[rank0]:[rank0]: Traceback (most recent call last):']  # torch's excepthook prefixes its own
+    assert stacks_from_output(lines) == {0: ["train.py:10 step", "train.py:20 <module>"],
+                                         1: ["h.py:5 stuck", "h.py:7 outer", "h.py:9 <module>"]}
+    thread_head_cut = ["[rank2]:Current thread 0x00007f", "[rank2]:05 (most recent call first):",
+                       '[rank2]:  File "/x/w.py", line 3 in wait']
+    assert stacks_from_output(thread_head_cut) == {2: ["w.py:3 wait"]}
 
 
 def test_keyboard_interrupt_kills_every_process(tmp_path):

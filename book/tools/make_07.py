@@ -201,8 +201,8 @@ and the collective timeout long, stopped by the launcher instead:
 code(r"""
 hang_rank = random.randrange(2)
 try:
-    nd.launch("lab07_debug", nproc=2, echo=False, timeout=6, args=["--fault", "hang", "--rank", str(hang_rank)],
-              env={"NANODIST_STALL_S": "0", "NANODIST_TIMEOUT": "60"})
+    nd.launch("lab07_debug", nproc=2, echo=False, timeout=10,  # long after the hang began, on a slow machine too
+              args=["--fault", "hang", "--rank", str(hang_rank)], env={"NANODIST_STALL_S": "0", "NANODIST_TIMEOUT": "60"})
     raise AssertionError("the hang finished")
 except nd.LaunchTimeout as e:
     stopped = e
