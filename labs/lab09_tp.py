@@ -205,14 +205,9 @@ def traffic(cfg, args, group, sub, n, device):
 def saved_by_block(model, x, y) -> int:
     """The bytes block 0 saves for backward on this rank (autograd's saved-tensor hooks, parameters left out)."""
     live = LiveBytes(parameters=model.parameters())
-    tracking = []
-    enter = model.blocks[0].register_forward_pre_hook(lambda m, a: tracking.append(live.track()) or
-                                                      tracking[-1].__enter__())
-    leave = model.blocks[0].register_forward_hook(lambda m, a, o: tracking[-1].__exit__(None, None, None))
-    model(x, y)
-    enter.remove()
-    leave.remove()
-    return sum(delta for _, delta, _ in live.events if delta > 0)
+    with live.track_module(model.blocks[0]):
+        model(x, y)
+    return live.saved_bytes()
 
 
 def memory(cfg, args, group, sub, n, device):

@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .group import Group
 from . import diverge
-from .runtime import get_logger
+from .runtime import get_logger, warn_if_differed
 from .state import is_dtensor
 from .sync import (DONE, Bucket, BucketTimeline, GradSync, LocalFinite, ReportsLocalFinite, Slot, Work, all_reduce_sum,
                    local, pack_buckets, refuse_dtensors)
@@ -78,12 +78,7 @@ class _SyncBase(nn.Module):
     def _broadcast_from_rank0(self) -> list[str]:
         """Make every rank start from rank 0's parameters and buffers; return the names that differed."""
         tensors = [(n, local(p)) for n, p in self.module.named_parameters()] + list(self.module.named_buffers())
-        differ = self.group.broadcast_from_first(tensors)
-        if differ:
-            get_logger().warning(f"DDP: ranks started with different values for {len(differ)} tensor(s) "
-                                 f"({', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}); "
-                                 f"rank 0's were broadcast to all. Seed model init identically on every rank.")
-        return differ
+        return warn_if_differed("DDP", self.group.broadcast_from_first(tensors))
 
     # --- forward / no_sync ---------------------------------------------------------------------------
 

@@ -254,11 +254,13 @@ def total_batch(cfg, world_size: int) -> int | None:
 
 
 def use_shared_memory(cfg, group: Group) -> bool:
-    """--shared-memory auto: on when every rank is a CPU process on this machine (gloo would go through TCP)."""
+    """--shared-memory auto: on when every rank of the group is a CPU process on this machine (gloo would go
+    through TCP): when the whole job runs on this machine, any group of it (a 2-D mesh's data group too)."""
     if cfg.shared_memory != "auto":
         return cfg.shared_memory == "on"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", group.size))
-    return group.device.type == "cpu" and group.size > 1 and local == group.size
+    world = int(os.environ.get("WORLD_SIZE", group.size))
+    return group.device.type == "cpu" and group.size > 1 and local == world
 
 
 def check_worlds(args, world_size: int) -> str | None:

@@ -207,14 +207,9 @@ class FSDP(nn.Module, ReportsLocalFinite):
         self._check_same_model()
         # Every rank keeps its own chunk of every parameter: ranks that built the model with different seeds would
         # train a mixture of their models. They start from rank 0's, as with DDP (and buffers too).
-        self.mismatched_at_wrap = g.broadcast_from_first(list(module.named_parameters()) +
-                                                         list(module.named_buffers()))
-        if self.mismatched_at_wrap:
-            from .runtime import get_logger
-            differ = self.mismatched_at_wrap
-            get_logger().warning(f"FSDP: ranks started with different values for {len(differ)} tensor(s) "
-                                 f"({', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}); rank 0's were "
-                                 f"broadcast to all. Seed model init identically on every rank.")
+        from .runtime import warn_if_differed
+        self.mismatched_at_wrap = warn_if_differed("FSDP", g.broadcast_from_first(list(module.named_parameters()) +
+                                                                                  list(module.named_buffers())))
         unit_modules = list(units)
         names = {id(m): n for n, m in module.named_modules()}
         for m in unit_modules:

@@ -404,6 +404,38 @@ class LiveBytes:
         """A context: count what autograd saves for backward inside it."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    @contextlib.contextmanager
+    def track_module(self, module: torch.nn.Module):
+        """A context: count what autograd saves for backward during each forward of `module` only (one block of
+        a model, say), however the model reaches it.
+
+            live = LiveBytes(parameters=model.parameters())
+            with live.track_module(model.blocks[0]):
+                model(x, y)
+            live.saved_bytes()                             # what block 0 saved for backward
+        """
+        entered = []
+
+        def enter(_module, _args):
+            entered.append(self.track())
+            entered[-1].__enter__()
+
+        def leave(_module, _args, _out):
+            entered.pop().__exit__(None, None, None)
+
+        hooks = [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+        try:
+            yield self
+        finally:
+            for h in hooks:
+                h.remove()
+            while entered:  # a forward that raised inside the module: its hooks are still on autograd's stack
+                entered.pop().__exit__(None, None, None)
+
+    def saved_bytes(self) -> int:
+        """Every byte autograd saved for backward while tracked (each storage once while saved), freed or not."""
+        return sum(delta for kind, delta, _ in self.events if kind == "activations" and delta > 0)
+
     # FSDP observer: a unit's full buffer is alive from the gather to the free
     def gather_started(self, unit) -> None:
         self._gathered[unit.name] = unit.full_bytes

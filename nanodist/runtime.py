@@ -467,6 +467,16 @@ class _RankFilter(logging.Filter):
         return self.all_ranks or record.rank == 0
 
 
+def warn_if_differed(who: str, differ: list[str]) -> list[str]:
+    """After Group.broadcast_from_first made every rank start from rank 0's model: say which tensors had differed
+    (they would have trained a mixture of models) and what to do about it. Returns `differ`."""
+    if differ:
+        get_logger().warning(f"{who}: ranks started with different values for {len(differ)} tensor(s) "
+                             f"({', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}); rank 0's were "
+                             f"broadcast to all. Seed model init identically on every rank.")
+    return differ
+
+
 def get_logger(name: str = "nanodist", all_ranks: bool | None = None, level: int = logging.INFO) -> logging.Logger:
     """A logger whose lines start with `[rank R]`; only rank 0 emits unless all_ranks (or NANODIST_LOG_ALL_RANKS=1)."""
     explicit = all_ranks

@@ -182,15 +182,20 @@ def _staging(group: Group, *tensors: torch.Tensor) -> torch.device | None:
 
 def all_reduce_sum(buffer: torch.Tensor, group: Group, what: str = "all-reduce") -> Work:
     """Sum `buffer` over the group, in place, asynchronously. `what` names it for the divergence detector."""
+    return all_reduce(buffer, group, what, dist.ReduceOp.SUM)
+
+
+def all_reduce(buffer: torch.Tensor, group: Group, what: str, op) -> Work:
+    """Reduce `buffer` over the group with `op` (a dist.ReduceOp), in place, asynchronously."""
     if group.size == 1:
         return DONE
     ticket = diverge.issue(group, what)
     staged = _staging(group, buffer)
     if staged is not None:
         copy = buffer.to(staged)
-        work = Work(dist.all_reduce(copy, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), ticket=ticket)
+        work = Work(dist.all_reduce(copy, op=op, group=group.pg, async_op=True), ticket=ticket)
         return _CopyBack(work, buffer, copy)
-    return Work(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), buffer, ticket=ticket)
+    return Work(dist.all_reduce(buffer, op=op, group=group.pg, async_op=True), buffer, ticket=ticket)
 
 
 def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Group, ring: bool,

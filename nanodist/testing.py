@@ -225,3 +225,30 @@ def within(label: str, got, want, rel: float, why: str, abs_floor: float = 0.0) 
     assert dev <= rel, (f"{label}: deviates by {dev:.3g} (relative), beyond the tolerance {rel:g} "
                         f"({why})")
     return dev
+
+
+class LogLines:
+    """What a logger says inside a `with` (every record, on every rank: the rank filter of nanodist's own handler
+    does not apply), as `.lines`.
+
+        with LogLines() as log:
+            nd.DDP(model)
+        assert any("different values" in line for line in log.lines)
+    """
+
+    def __init__(self, name: str = "nanodist"):
+        import logging
+
+        class _Keep(logging.Handler):
+            def emit(inner, record):
+                self.lines.append(record.getMessage())
+
+        self.lines: list[str] = []
+        self._logger, self._handler = logging.getLogger(name), _Keep()
+
+    def __enter__(self) -> "LogLines":
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self._handler)

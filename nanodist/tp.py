@@ -55,12 +55,12 @@ import contextlib
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import diverge
 from .group import Group
-from .sync import all_gather, all_reduce_sum, reduce_scatter_sum
+from .sync import all_gather, all_reduce, reduce_scatter_sum
 
 
 class Sent(NamedTuple):
@@ -103,22 +103,16 @@ def _log(kind: str, what: str, t: torch.Tensor, group: Group) -> None:
         _traffic.append(Sent(kind, what, t.numel() * t.element_size()))
 
 
-def _all_reduce(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
-    out = t.contiguous().clone()  # autograd's tensors are not summed in place
+def _all_reduce(t: torch.Tensor, group: Group, what: str, op=None) -> torch.Tensor:
+    """A sum over the group (or `op`, a dist.ReduceOp), into a new tensor: autograd's are not reduced in place."""
+    out = t.contiguous().clone()
     _log("all-reduce", what, out, group)
-    all_reduce_sum(out, group, what).wait()
+    all_reduce(out, group, what, op or dist.ReduceOp.SUM).wait()
     return out
 
 
 def _all_reduce_max(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
-    if group.size == 1:
-        return t
-    import torch.distributed as dist
-    out = t.detach().contiguous().to(group.comm_device, copy=True)
-    _log("all-reduce", what, out, group)
-    with diverge.waiting(diverge.issue(group, what)):
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group.pg)
-    return out.to(t.device)
+    return _all_reduce(t.detach(), group, what, dist.ReduceOp.MAX)
 
 
 # The sequence dimension of the course's activations (B, T, C) is 1.
@@ -496,11 +490,9 @@ def tensor_parallel(model: nn.Module, group=None, vocab: bool = False, sequence:
     if blocks is None:
         raise TypeError(f"tensor_parallel splits the course's GPT (its blocks); {type(model).__name__} has none: "
                         f"build the layers with ColumnParallelLinear and RowParallelLinear instead")
-    differ = group.broadcast_from_first(list(model.named_parameters()) + list(model.named_buffers()))
-    if differ:
-        from .runtime import get_logger
-        get_logger().warning(f"tensor_parallel: ranks started with different values for {len(differ)} tensor(s) "
-                             f"({', '.join(differ[:5])}); rank 0's were broadcast to all")
+    from .runtime import warn_if_differed
+    warn_if_differed("tensor_parallel", group.broadcast_from_first(list(model.named_parameters()) +
+                                                                   list(model.named_buffers())))
     sp = dict(sequence=sequence)
     for i, block in enumerate(blocks):
         heads = block.attn.qkv.out_features // 3 // block.attn.head_dim

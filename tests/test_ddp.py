@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import nanodist as nd
 from nanodist.ddp import NaiveDDP
 from nanodist import faults
-from nanodist.testing import spawn, within
+from nanodist.testing import LogLines, spawn, within
 
 pytestmark = pytest.mark.dist
 
@@ -126,8 +126,9 @@ def errors_worker(rank, world):
     found = {}
     torch.manual_seed(rank)  # deliberately different init on each rank
     model = Net()
-    ddp = nd.DDP(model)  # must broadcast rank 0's weights and say which differed
-    found["mismatched"] = ddp.mismatched_at_wrap
+    with LogLines() as log:
+        ddp = nd.DDP(model)  # must broadcast rank 0's weights and say which differed
+    found["mismatched"], found["warned"] = ddp.mismatched_at_wrap, log.lines
     try:
         nd.check.assert_params_in_sync(ddp.module)
         found["in_sync_after_wrap"] = True
@@ -163,6 +164,8 @@ def test_errors_are_clear_and_disagreeing_ranks_are_reported():
     out = spawn(errors_worker, 2, timeout=120)
     for found in out:
         assert "inp.weight" in found["mismatched"] and found["in_sync_after_wrap"]
+        assert [line for line in found["warned"] if line.startswith("DDP: ranks started with different values")
+                and "inp.weight" in line and "Seed model init identically" in line], found["warned"]
         assert "got no gradient this step, on this rank: unused.weight, unused.bias" in found["unused_error"]
         assert "find_unused_parameters=True" in found["unused_error"]
         assert "ranks wrap different models" in found["structure_error"]

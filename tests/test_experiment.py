@@ -177,15 +177,17 @@ def test_the_tp_wrapper_refuses_a_data_dimension_it_would_not_average():
 
 
 def mesh_worker(rank, world):
-    """--tp 2 on 4 ranks: a 2 x 2 mesh, trained with nanodist DDP and with torch's FSDP2 on the data dimension."""
+    """--tp 2 on 4 ranks: a 2 x 2 mesh, trained with nanodist DDP (through the process group, and through shared
+    memory) and with torch's FSDP2 on the data dimension."""
     cfg = experiment.RunConfig.from_args(parse(), "cpu").replace(tp=2)
     data = experiment.load_data(cfg)
     out = {}
-    for wrapper in ("nanodist-pg", "fsdp2"):
+    for wrapper in ("nanodist-pg", "nanodist", "fsdp2"):
         run = experiment.build(cfg, data, Group.world(), wrapper=wrapper)
         run.trainer.fit(max_steps=3)
         out[wrapper] = [h["loss"] for h in run.trainer.history]
         out["shape"] = (run.trainer.group.size, run.trainer.world.size, run.trainer.tokens_per_step)
+        out[f"{wrapper} shared memory"] = getattr(run.model, "shared_memory", None)
     return out
 
 
@@ -197,3 +199,6 @@ def test_a_2x2_run_averages_over_the_data_dimension_with_either_wrapper():
         # the same batches and weights, averaged over the data dimension by two implementations: equal within
         # rounding (AdamW's first steps move by lr whatever the gradient's size)
         assert out["nanodist-pg"] == pytest.approx(out["fsdp2"], rel=1e-5), out
+        # "nanodist" reduces each data group's buckets through shared memory: every rank is on this machine
+        assert out["nanodist shared memory"] is True and out["nanodist-pg shared memory"] is False, out
+        assert out["nanodist"] == pytest.approx(out["nanodist-pg"], rel=1e-5), out

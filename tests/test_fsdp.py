@@ -14,7 +14,7 @@ from nanodist.data import CharTokenizer, TokenStream, generate_corpus
 from nanodist.fsdp import FSDP, FSDPTimeline
 from nanodist.model import GPT, GPTConfig
 from nanodist import faults
-from nanodist.testing import spawn, within
+from nanodist.testing import LogLines, spawn, within
 from nanodist.train import TrainConfig, Trainer
 
 pytestmark = pytest.mark.dist
@@ -452,11 +452,12 @@ def seeds_worker(rank, W):
     torch.manual_seed(rank)  # a user who seeded each rank differently
     model = nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3), nn.Linear(3, 2))
     mine = {n: p.detach().clone() for n, p in model.named_parameters()}
-    fsdp = FSDP(model, units=[model[0]])
+    with LogLines() as log:
+        fsdp = FSDP(model, units=[model[0]])
     full = fsdp.full_state_dict(all_ranks=True)  # every rank gets the whole state
     rank0 = fsdp.group.broadcast_object(mine)
     return {"equal_rank0": all(torch.equal(full[n], rank0[n]) for n in rank0), "keys": sorted(full),
-            "mismatched": fsdp.mismatched_at_wrap}
+            "mismatched": fsdp.mismatched_at_wrap, "warned": log.lines}
 
 
 def test_ranks_built_with_different_seeds_start_from_rank_0s_weights():
@@ -464,6 +465,8 @@ def test_ranks_built_with_different_seeds_start_from_rank_0s_weights():
     for out in outs:
         assert out["equal_rank0"] and out["keys"] == ["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"]
         assert "0.weight" in out["mismatched"] and "1.weight" not in out["mismatched"]  # LayerNorm: ones everywhere
+        assert [line for line in out["warned"] if line.startswith("FSDP: ranks started with different values")
+                and "0.weight" in line], out["warned"]
 
 
 def freeze_after_worker(rank, W):

@@ -212,3 +212,36 @@ def test_muon_adamw_state_bytes():
     assert muon_adamw_state_bytes(100, 40, world_size=4) == (4 * 40 + 8 * 60) / 4
     with pytest.raises(ValueError, match="num_muon <= num_params"):
         muon_adamw_state_bytes(10, 11)
+
+
+# ----------------------------------------------------------------------------- activations, by autograd's hooks
+
+def test_live_bytes_tracks_one_module_only():
+    """track_module counts what one module saves for backward, however often and from wherever it is called,
+    and nothing of the rest of the model; a forward that raises inside the module leaves no hooks behind."""
+    from nanodist.memory import LiveBytes
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+    x = torch.randn(5, 8)
+    live = LiveBytes()
+    with live.track_module(second):
+        h = torch.relu(first(x))  # relu saves its output: not `second`'s
+        second(h).sum()
+        second(h * 2).sum()  # called again: its input is saved again
+    # `second` (a Linear) saves its input for the weight's gradient, (5, 16) floats, on each call
+    assert live.saved_bytes() == 2 * 5 * 16 * 4
+    everything = LiveBytes()
+    with everything.track():
+        second(torch.relu(first(x))).sum()
+    assert everything.saved_bytes() > 5 * 16 * 4  # x for first's weight, relu's output: the module's is a part
+
+    class Fails(torch.nn.Module):
+        def forward(self, t):
+            raise ValueError("planted")
+
+    failing, failing_module = LiveBytes(), Fails()
+    with failing.track_module(failing_module):
+        with pytest.raises(ValueError, match="planted"):
+            failing_module(x)
+    second(torch.relu(first(x))).sum()  # untracked: a hook left on autograd's stack would count this
+    assert failing.saved_bytes() == 0

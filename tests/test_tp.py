@@ -179,6 +179,26 @@ def test_a_size_that_does_not_divide_the_heads_stops_with_the_shape():
         assert "blocks.0.attn's heads (4)" in said and "not a multiple of 3" in said, said
 
 
+def seeds_worker(rank, W):
+    import nanodist as nd
+    from nanodist.model import GPT, GPTConfig
+    from nanodist.testing import LogLines
+    from nanodist.tp import tensor_parallel
+    torch.manual_seed(rank)  # a user who seeded each rank differently
+    model = GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, block_size=T))
+    with LogLines() as log:
+        tensor_parallel(model, nd.Group.world())
+    embedding = model.wte.weight.detach()  # replicated: every rank must hold rank 0's
+    return {"warned": log.lines, "embeddings": nd.Group.world().all_gather_object(embedding)}
+
+
+def test_ranks_built_with_different_seeds_start_from_rank_0s_and_are_told():
+    for out in spawn(seeds_worker, 2, timeout=120):
+        assert torch.equal(*out["embeddings"])
+        assert [line for line in out["warned"] if line.startswith("tensor_parallel: ranks started with different")
+                and "wte.weight" in line and "Seed model init identically" in line], out["warned"]
+
+
 def mlp_worker(rank, W):
     """The same MLP split by nanodist and by torch's parallelize_module: the same outputs and gradients."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -225,11 +245,9 @@ def activation_worker(rank, W, sequence):
     if W > 1:
         tensor_parallel(model, nd.Group.world(), sequence=sequence)
     live = LiveBytes(parameters=model.parameters())  # a DTensor's local piece is a parameter, not an activation
-    tracking = []
-    model.blocks[0].register_forward_pre_hook(lambda m, a: tracking.append(live.track()) or tracking[-1].__enter__())
-    model.blocks[0].register_forward_hook(lambda m, a, o: tracking[-1].__exit__(None, None, None))
-    model(*batch())
-    return sum(delta for _, delta, _ in live.events if delta > 0)
+    with live.track_module(model.blocks[0]):
+        model(*batch())
+    return live.saved_bytes()
 
 
 @pytest.mark.parametrize("W,sequence", [(1, False), (2, False), (4, False), (2, True), (4, True)],
