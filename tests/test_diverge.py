@@ -70,7 +70,8 @@ def test_a_rank_that_hangs_the_others_is_named_within_seconds(fault, W):
     assert re.search(rf"rank {bad}: waits in collective #\d+ [^\n]* for \d+ s; [^\n]*{re.escape(EXPECT[fault])}",
                      msg), msg
     waited = [int(s) for s in re.findall(r"for (\d+) s;", msg)]
-    assert waited and max(waited) <= WITHIN_S and took < WITHIN_S + 8, (waited, took)  # + starting the ranks
+    # the promise is `waited`; `took` adds starting W ranks on 2 cores (a few seconds, more on a loaded machine)
+    assert waited and max(waited) <= WITHIN_S and took < WITHIN_S + 30, (waited, took)
 
 
 def silent_worker(rank, W, bad, wrapper):

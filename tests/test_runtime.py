@@ -342,7 +342,8 @@ def test_a_lone_rank_gives_up_within_its_timeout_and_says_when(waiting):
     out, took = waiting.result("rank1-alone")
     assert out.returncode != 0 and "could not join the process group" in out.stderr and "within 6 s" in out.stderr
     waited = int(out.stderr.split("gave up after ")[1].split(" s")[0])
-    assert waited <= 6 + runtime.JOIN_GRACE_S + 1 and took < 30, (waited, took, out.stderr[-500:])
+    # the limit it states, its grace, and a loaded machine's scheduling; `took` adds importing torch
+    assert waited <= 6 + runtime.JOIN_GRACE_S + 3 and took < 60, (waited, took, out.stderr[-500:])
 
 
 def test_a_lab_in_a_partial_torchrun_environment_says_so_in_one_line(tmp_path):
