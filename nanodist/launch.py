@@ -162,7 +162,7 @@ def _dump_stacks(procs: list[psutil.Process], lines: queue.Queue, output: list[s
         if line is not None:
             output.append(line)
             last = time.monotonic()
-            begun.update(r for r, text in _rank_pieces(line) if "File \"" in text or "most recent call" in text)
+            begun.update(r for r, text in _rank_pieces(line) if _DUMP_LINE_START.match(text))
     where = stacks_from_output(output[first:])
     spied = _py_spy(ranks, output)
 

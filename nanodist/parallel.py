@@ -67,7 +67,7 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
         entry = sharded.setdefault((id(layout.device_mesh), dims), (layout.device_mesh, dims, [], p.to_local().device))
         if g is not None:
             entry[2].append(g.to_local())
-            locals_.append(g.to_local())
+            locals_.append(entry[2][-1])
     if not locals_ and not sharded:
         return torch.zeros(())
     device = locals_[0].device if locals_ else next(iter(sharded.values()))[3]
